@@ -1,0 +1,5 @@
+import sys
+
+from islands.cli import main
+
+sys.exit(main())

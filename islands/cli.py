@@ -1,0 +1,99 @@
+"""The command line: parse, load config, call one function. No logic of its own."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from islands.config import ConfigError, load_config
+
+EPILOG_TRAIN = """examples:
+  islands train configs/mnist5k.yaml
+  islands train configs/smoke.yaml train.images=20000 model.arch=unet run_dir=runs/try2
+Rerunning the same command resumes from the last complete checkpoint."""
+
+
+def _train(args) -> int:
+    from islands.train.loop import train, run_summary
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = train(cfg, progress=not args.quiet)
+    print(run_summary(run_dir))
+    return 0
+
+
+def _sample(args) -> int:
+    import torch
+
+    from islands.generate import generate, load_denoiser, sample_labels, write_samples
+
+    denoiser, cfg, info = load_denoiser(Path(args.run_dir), use_ema=not args.no_ema)
+    opts = cfg.sample.model_copy(update={k: v for k, v in {
+        "steps": args.steps, "solver": args.solver, "grid": args.grid, "guidance": args.guidance,
+        "batch_size": args.batch_size}.items() if v is not None})
+    opts = type(opts).model_validate(opts.model_dump())  # re-check command-line values
+    if args.class_label is not None and not 0 <= args.class_label < max(info["num_classes"], 1):
+        raise ConfigError(f"--class: {args.class_label} is not a class of this model ({info['num_classes']} classes)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    labels = sample_labels(args.num, info["num_classes"], args.class_label)
+    seed = cfg.seed if args.seed is None else args.seed
+    x = generate(denoiser, tuple(info["shape"]), args.num, opts, seed, labels, progress=not args.quiet)
+    for path in write_samples(x, labels, Path(args.out)):
+        print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="islands", description="Train and sample diffusion / flow-matching models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train or resume a model from a YAML config",
+                       description="Train a model from a YAML config, or resume the run in its run_dir.",
+                       epilog=EPILOG_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML file with sections data, model, flow, train, sample and keys run_dir, seed")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides of config keys, e.g. train.images=20000 model.arch=dit")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("sample", help="generate samples from a trained run",
+                       description="Generate samples from a run's latest checkpoint (EMA weights when present). "
+                                   "Writes OUT/samples.npz (array x, float32, in data space; y for class labels) "
+                                   "and OUT/grid.png (images) or OUT/scatter.png (vectors).")
+    p.add_argument("run_dir", help="a run directory written by 'islands train'")
+    p.add_argument("--num", type=int, required=True, help="number of samples")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--steps", type=int, help="solver steps (default: the run's sample.steps)")
+    p.add_argument("--solver", choices=["euler", "heun", "dpm2m"], help="ODE solver (default: sample.solver)")
+    p.add_argument("--grid", choices=["uniform", "edm", "shifted"], help="time grid (default: sample.grid)")
+    p.add_argument("--guidance", type=float, help="classifier-free guidance scale; 1 = none (default: sample.guidance)")
+    p.add_argument("--seed", type=int, help="noise seed; sample i depends only on (seed, i) (default: the run's seed)")
+    p.add_argument("--class", dest="class_label", type=int, help="generate only this class (conditional models)")
+    p.add_argument("--batch-size", type=int, help="samples per batch; does not change the samples")
+    p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_sample)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from islands.data import DataError
+    from islands.train.checkpoint import CheckpointError
+    from islands.train.loop import TrainingStopped
+
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"islands: config error: {err}", file=sys.stderr)
+        return 2
+    except (DataError, CheckpointError) as err:
+        print(f"islands: {err}", file=sys.stderr)
+        return 2
+    except TrainingStopped as err:
+        print(f"islands: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("islands: interrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
+        return 130

@@ -1,0 +1,248 @@
+"""Typed configuration: YAML file + dotted `key=value` overrides -> validated `Config`.
+
+Every error is a `ConfigError` whose one-line message names the offending key or file; the command
+line turns it into exit status 2.
+"""
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def _reject_unused(self, kind_key: str, used: dict[str, set[str]]) -> None:
+        """Keys that exist but mean nothing for the chosen kind are errors, not silent no-ops."""
+        kind = getattr(self, kind_key)
+        for key in self.model_fields_set - used[kind] - {kind_key}:
+            raise ValueError(f"{key}: not used when {kind_key} is {kind!r}")
+
+
+class DataConfig(Section):
+    source: Literal["mnist5k", "fashion_mnist", "folder", "npz", "gmm"] = "mnist5k"
+    path: str | None = None
+    split: Literal["train", "test"] = "train"
+    resolution: int | None = Field(None, gt=0)
+    channels: Literal[1, 3] = 3
+    key: str = "x"
+    label_key: str = "y"
+    means: list[list[float]] | None = None
+    std: float = Field(0.1, gt=0)
+    weights: list[float] | None = None
+    size: int = Field(50_000, gt=0)
+    flip: bool | None = None  # None: the source's own default (flip natural images only)
+    workers: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        common = {"flip", "workers"}
+        self._reject_unused("source", {
+            "mnist5k": common | {"resolution"},
+            "fashion_mnist": common | {"path", "split", "resolution"},
+            "folder": common | {"path", "resolution", "channels"},
+            "npz": common | {"path", "key", "label_key", "resolution"},
+            "gmm": common | {"means", "std", "weights", "size"},
+        })
+        if self.source in ("folder", "npz") and self.path is None:
+            raise ValueError(f"path: required when source is {self.source!r}")
+        if self.source == "folder" and self.resolution is None:
+            raise ValueError("resolution: required when source is 'folder'")
+        if self.source == "gmm":
+            if not self.means or len({len(m) for m in self.means}) != 1 or not self.means[0]:
+                raise ValueError("means: must be a non-empty list of vectors of one dimension")
+            if self.weights is not None and (len(self.weights) != len(self.means) or min(self.weights) < 0):
+                raise ValueError(f"weights: must be {len(self.means)} non-negative numbers")
+        return self
+
+
+class ModelConfig(Section):
+    arch: Literal["unet", "dit", "mlp"] = "unet"
+    num_classes: int = Field(0, ge=0)  # 0: unconditional; else must match the data's labels
+    # U-Net
+    channels: int = Field(64, gt=0)
+    channel_mult: list[int] = [1, 2, 2]
+    num_res_blocks: int = Field(2, gt=0)
+    attention_resolutions: list[int] = [16]
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # U-Net and DiT
+    num_heads: int | None = Field(None, gt=0)
+    # DiT
+    preset: Literal["S", "B", "L", "XL"] = "S"
+    patch_size: int = Field(2, gt=0)
+    hidden_size: int | None = Field(None, gt=0)
+    mlp_ratio: float = Field(4.0, gt=0)
+    # DiT and MLP
+    depth: int | None = Field(None, gt=0)
+    # MLP
+    hidden: int = Field(256, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        self._reject_unused("arch", {
+            "unet": {"num_classes", "channels", "channel_mult", "num_res_blocks", "attention_resolutions", "dropout", "num_heads"},
+            "dit": {"num_classes", "num_heads", "preset", "patch_size", "hidden_size", "mlp_ratio", "depth"},
+            "mlp": {"num_classes", "depth", "hidden"},
+        })
+        return self
+
+
+class FlowConfig(Section):
+    path: Literal["rectified_flow", "vp_linear", "cosine"] = "rectified_flow"
+    prediction: Literal["velocity", "epsilon", "x0"] = "velocity"
+    time_sampler: Literal["uniform", "logit_normal"] = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = Field(1.0, gt=0)
+    t_range: tuple[float, float] = (0.0, 1.0)  # in the path's own time: a timestep-range expert's share
+
+    @model_validator(mode="after")
+    def _check(self):
+        lo, hi = self.t_range
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"t_range: must satisfy 0 <= lo < hi <= 1, got {list(self.t_range)}")
+        return self
+
+
+class TrainConfig(Section):
+    images: int = Field(10_000, gt=0)  # run length, counted in training images
+    batch_size: int = Field(64, gt=0)  # the global batch, whatever the number of ranks
+    accumulate: int = Field(1, gt=0)  # micro-batches per optimizer step
+    lr: float = Field(2e-4, gt=0)
+    warmup_images: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, ge=0)  # 0: no clipping
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    activation_checkpointing: bool = False
+    ema_halflife_images: float = Field(0.0, ge=0)  # 0: no EMA
+    ema_rampup: float | None = Field(0.05, gt=0)  # half-life <= rampup * images seen (EDM)
+    label_dropout: float = Field(0.1, ge=0, lt=1)  # share of labels replaced by "none" for guidance
+    checkpoint_every: int = Field(5_000, gt=0)
+    keep_checkpoints: int = Field(2, gt=0)
+    sample_every: int = Field(0, ge=0)  # 0: one grid at the end only
+    log_every: int = Field(1_000, gt=0)
+    max_nonfinite: int = Field(5, gt=0)  # consecutive skipped steps before the run stops
+    threads: int | None = Field(None, gt=0)  # torch intra-op threads; None leaves torch's default
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.batch_size % self.accumulate:
+            raise ValueError(f"batch_size: {self.batch_size} is not divisible by accumulate={self.accumulate}")
+        return self
+
+
+class SampleConfig(Section):
+    num: int = Field(64, gt=0)
+    steps: int = Field(32, gt=0)
+    solver: Literal["euler", "heun", "dpm2m"] = "heun"
+    grid: Literal["uniform", "edm", "shifted"] = "uniform"
+    guidance: float = Field(1.0, ge=0)
+    batch_size: int = Field(256, gt=0)
+
+
+class Config(Section):
+    run_dir: str
+    seed: int = 0
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    flow: FlowConfig = FlowConfig()
+    train: TrainConfig = TrainConfig()
+    sample: SampleConfig = SampleConfig()
+
+
+# Keys that may change when a run is resumed: they do not alter the trajectory already taken.
+RESUMABLE_CHANGES = {
+    "run_dir", "train.images", "train.checkpoint_every", "train.keep_checkpoints", "train.sample_every",
+    "train.log_every", "train.max_nonfinite", "train.threads", "data.workers", "sample",
+}
+
+
+def _format_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"])
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif e["type"] == "missing":
+        msg = "required key is missing"
+    elif "input" in e and not isinstance(e["input"], dict):
+        msg += f" (got {e['input']!r})"
+    if e["type"] == "value_error" and ": " in msg:  # a section's own check names its key first
+        return f"{key}.{msg}" if key else msg
+    return f"{key}: {msg}" if key else msg
+
+
+def parse_override(item: str) -> tuple[list[str], object]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    key, text = item.split("=", 1)
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        value = text
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{'.'.join(keys)}: '{k}' is not a section")
+        node[keys[-1]] = value
+    return raw
+
+
+def validate(raw: dict) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {path}{where} is not valid YAML") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return validate(apply_overrides(raw, list(overrides)))
+
+
+def to_dict(cfg: Config) -> dict:
+    return cfg.model_dump(mode="json")
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def trajectory_changes(old: dict, new: dict) -> list[str]:
+    """Keys whose change would make a resumed run differ from the one on disk."""
+    a, b = flatten(old), flatten(new)
+    changed = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key) and key not in RESUMABLE_CHANGES and key.split(".")[0] not in RESUMABLE_CHANGES:
+            changed.append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
+    return changed

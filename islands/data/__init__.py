@@ -1,0 +1,20 @@
+"""Data sources, the Gaussian-mixture source, and the stream-ordered loader."""
+
+from islands.data.gmm import GaussianMixture, GMMSource
+from islands.data.sources import DataError, Source, build_source
+
+
+def build_data(cfg, seed: int) -> Source:
+    """The source a `DataConfig` names, with only the options that source takes."""
+    if cfg.source == "gmm":
+        return GMMSource(cfg.means, cfg.std, cfg.weights, size=cfg.size, seed=seed)
+    options = {
+        "mnist5k": {"resolution": cfg.resolution},
+        "fashion_mnist": {"split": cfg.split, "resolution": cfg.resolution, **({"path": cfg.path} if cfg.path else {})},
+        "folder": {"path": cfg.path, "resolution": cfg.resolution, "channels": cfg.channels},
+        "npz": {"path": cfg.path, "key": cfg.key, "label_key": cfg.label_key, "resolution": cfg.resolution},
+    }[cfg.source]
+    return build_source(cfg.source, **options)
+
+
+__all__ = ["DataError", "GaussianMixture", "GMMSource", "Source", "build_data"]

@@ -1,0 +1,75 @@
+"""Batches in global-stream order: resumable at any image, sliced disjointly across ranks.
+
+Position n of the stream is example perm_e[n mod N] of epoch e = n div N, with perm_e keyed on
+(seed, e). Global batch b covers positions [b B, (b + 1) B); rank r of W takes the r-th contiguous
+slice of it. Each example keeps its position, from which its noise, time and flip are drawn, so the
+trajectory does not depend on W, on the accumulation count, or on where a run was resumed.
+"""
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from islands.data import streams
+
+
+class StreamOrder:
+    """An infinite batch sampler of (example index, stream position) pairs for one rank."""
+
+    def __init__(self, num_examples: int, batch_size: int, seed: int, start: int = 0, rank: int = 0, world: int = 1):
+        if batch_size % world:
+            raise ValueError(f"global batch {batch_size} is not divisible by {world} ranks")
+        self.n, self.batch, self.seed, self.start = num_examples, batch_size, seed, start
+        self.rank, self.world = rank, world
+        self._epoch, self._perm = -1, None
+
+    def index_of(self, position: int) -> int:
+        epoch = position // self.n
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._perm = torch.randperm(self.n, generator=streams.generator(self.seed, epoch, "order"))
+        return int(self._perm[position % self.n])
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        per_rank = self.batch // self.world
+        first = self.start
+        while True:
+            lo = first + self.rank * per_rank
+            yield [(self.index_of(p), p) for p in range(lo, lo + per_rank)]
+            first += self.batch
+
+
+class StreamDataset(Dataset):
+    """Fetches examples by (index, position) and applies the position-keyed horizontal flip."""
+
+    def __init__(self, source, seed: int, flip: bool):
+        self.source, self.seed, self.flip = source, seed, flip
+
+    def __getitems__(self, items: list[tuple[int, int]]):
+        indices = [i for i, _ in items]
+        positions = [p for _, p in items]
+        x, y = self.source.get(indices)
+        if self.flip:
+            flip = streams.uniform(self.seed, positions, "flip") < 0.5
+            x = torch.where(flip.reshape(-1, *([1] * (x.dim() - 1))), x.flip(-1), x)
+        if y is None:
+            y = torch.full((len(items),), -1, dtype=torch.long)
+        return x, y, torch.tensor(positions, dtype=torch.long)
+
+    def __getitem__(self, item: tuple[int, int]):
+        x, y, p = self.__getitems__([item])
+        return x[0], y[0], p[0]
+
+
+def _already_batched(batch):
+    return batch
+
+
+def stream_loader(source, batch_size: int, seed: int, start: int = 0, rank: int = 0, world: int = 1,
+                  workers: int = 0, flip: bool | None = None) -> DataLoader:
+    """Infinite loader of (x, labels or -1, positions) for this rank's slice of each global batch."""
+    order = StreamOrder(len(source), batch_size, seed, start, rank, world)
+    dataset = StreamDataset(source, seed, source.flip if flip is None else flip)
+    return DataLoader(dataset, batch_sampler=order, collate_fn=_already_batched, num_workers=workers,
+                      prefetch_factor=4 if workers else None, persistent_workers=False)

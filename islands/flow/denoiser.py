@@ -1,0 +1,76 @@
+"""The one interface everything samples from: a canonical rectified-flow velocity field.
+
+A `Denoiser` maps (x, t, cond) to dx/dt on the canonical path x_t = (1 - t) x0 + t eps, whose velocity
+is eps - x0. `NetworkDenoiser` wraps a network trained on any path with any prediction target and
+converts exactly: canonical (x, t) -> its own (x_tau, tau) -> its output -> (x0, eps) -> eps - x0.
+"""
+
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from islands.flow.paths import Path, RectifiedFlow, build_path
+
+PREDICTIONS = ("velocity", "epsilon", "x0")
+
+# Epsilon and x0 predictions divide by alpha or sigma, which vanish at the ends of the path.
+_EDGE = 1e-5
+
+
+class Denoiser(Protocol):
+    def __call__(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor: ...
+
+
+def broadcast(coef: Tensor, x: Tensor) -> Tensor:
+    """Shape a per-sample coefficient (B,) so that it multiplies x of shape (B, ...)."""
+    return coef.reshape(-1, *([1] * (x.dim() - 1))).to(x.dtype)
+
+
+def prediction_target(path: Path, prediction: str, x0: Tensor, noise: Tensor, tau: Tensor) -> Tensor:
+    """What a network with this prediction target should output at x_tau."""
+    if prediction == "velocity":
+        return broadcast(path.d_alpha(tau), x0) * x0 + broadcast(path.d_sigma(tau), x0) * noise
+    if prediction == "epsilon":
+        return noise
+    if prediction == "x0":
+        return x0
+    raise ValueError(f"unknown prediction {prediction!r}; choose from {PREDICTIONS}")
+
+
+def x0_and_noise(path: Path, prediction: str, x: Tensor, out: Tensor, tau: Tensor) -> tuple[Tensor, Tensor]:
+    """Invert x = alpha x0 + sigma eps given the network output, in the path's own frame."""
+    a, s = broadcast(path.alpha(tau), x), broadcast(path.sigma(tau), x)
+    if prediction == "velocity":
+        # Solve [alpha sigma; alpha' sigma'] [x0; eps] = [x; v].
+        da, ds = broadcast(path.d_alpha(tau), x), broadcast(path.d_sigma(tau), x)
+        det = a * ds - s * da
+        return (ds * x - s * out) / det, (a * out - da * x) / det
+    if prediction == "epsilon":
+        return (x - s * out) / a, out
+    if prediction == "x0":
+        return out, (x - a * out) / s
+    raise ValueError(f"unknown prediction {prediction!r}; choose from {PREDICTIONS}")
+
+
+class NetworkDenoiser(nn.Module):
+    """A network trained on (path, prediction), seen as a canonical velocity field."""
+
+    def __init__(self, net: nn.Module, path: str | Path = "rectified_flow", prediction: str = "velocity"):
+        super().__init__()
+        if prediction not in PREDICTIONS:
+            raise ValueError(f"unknown prediction {prediction!r}; choose from {PREDICTIONS}")
+        self.net = net
+        self.path = build_path(path) if isinstance(path, str) else path
+        self.prediction = prediction
+        self.identity = isinstance(self.path, RectifiedFlow) and prediction == "velocity"
+
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
+        t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(x.shape[0])
+        if self.identity:  # the canonical frame itself: nothing to convert
+            return self.net(x, t, cond).to(x.dtype)
+        tau = self.path.own_time(t.clamp(_EDGE, 1 - _EDGE)).clamp(0, 1)
+        x_own = broadcast(self.path.scale(tau), x) * x
+        out = self.net(x_own, tau, cond).to(x.dtype)
+        x0, eps = x0_and_noise(self.path, self.prediction, x_own, out, tau)
+        return eps - x0

@@ -1,0 +1,85 @@
+"""From a run directory to samples: load the denoiser, draw per-sample-seeded noise, integrate.
+
+Sample i always starts from the noise keyed on (seed, i), so the same seed gives the same sample
+whatever the batch size or the number of samples asked for.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from tqdm import tqdm
+
+from islands.config import Config, SampleConfig, validate
+from islands.data import streams
+from islands.flow.denoiser import Denoiser, NetworkDenoiser
+from islands.flow.samplers import sample
+from islands.images import save_samples_picture
+from islands.nets import build_network
+from islands.train.checkpoint import CheckpointError, latest_checkpoint, load_weights
+
+
+def describe_run(run_dir: Path) -> tuple[Config, dict]:
+    """The run's resolved config and its data description (shape, num_classes)."""
+    run_dir = Path(run_dir)
+    for name in ("config.yaml", "model.json"):
+        if not (run_dir / name).is_file():
+            raise CheckpointError(f"{run_dir} is not a run directory: {name} is missing")
+    cfg = validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    return cfg, json.loads((run_dir / "model.json").read_text())
+
+
+def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser, Config, dict]:
+    """The latest complete checkpoint's network (its EMA when there is one) as a canonical `Denoiser`."""
+    cfg, info = describe_run(run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise CheckpointError(f"{run_dir} has no complete checkpoint yet")
+    net = build_network(cfg.model, tuple(info["shape"]), info["num_classes"])
+    weights = ckpt / "ema.safetensors" if use_ema and (ckpt / "ema.safetensors").exists() else ckpt / "model.safetensors"
+    net.load_state_dict(load_weights(weights))
+    return NetworkDenoiser(net.eval(), cfg.flow.path, cfg.flow.prediction), cfg, info
+
+
+def sample_labels(num: int, num_classes: int, class_label: int | None = None) -> torch.Tensor | None:
+    """Labels cycle through the classes (one class per grid column) unless one class is asked for."""
+    if num_classes == 0:
+        return None
+    if class_label is not None:
+        return torch.full((num,), class_label, dtype=torch.long)
+    return torch.arange(num) % num_classes
+
+
+@torch.no_grad()
+def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleConfig, seed: int,
+             labels: torch.Tensor | None = None, first: int = 0, progress: bool = False,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+    """Samples first .. first + num - 1 of the stream keyed on `seed`, in batches of opts.batch_size."""
+    out = []
+    bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
+    for lo in range(0, num, opts.batch_size):
+        hi = min(num, lo + opts.batch_size)
+        noise = streams.normal(seed, list(range(first + lo, first + hi)), shape, "sample").to(device)
+        cond = None if labels is None else labels[lo:hi].to(device)
+        x = sample(denoiser, noise, steps=opts.steps, solver=opts.solver, grid=opts.grid,
+                   guidance=opts.guidance, cond=cond)
+        out.append(x.float().cpu())
+        bar.update(hi - lo)
+    bar.close()
+    return torch.cat(out)
+
+
+def write_samples(x: torch.Tensor, labels: torch.Tensor | None, out_dir: Path) -> list[Path]:
+    """out_dir/samples.npz (array x, float32, data space; y when conditional) and a picture."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    arrays = {"x": x.numpy().astype(np.float32)}
+    if labels is not None:
+        arrays["y"] = labels.numpy()
+    tmp = out_dir / ".samples.tmp.npz"
+    np.savez(tmp, **arrays)
+    tmp.replace(out_dir / "samples.npz")
+    picture = save_samples_picture(x[:256], out_dir / ("grid.png" if x.dim() == 4 else "scatter.png"))
+    return [out_dir / "samples.npz", picture]

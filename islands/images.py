@@ -1,0 +1,64 @@
+"""Pictures a person would rather see than read: sample grids and scatter plots."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def to_uint8(x: torch.Tensor) -> np.ndarray:
+    """(N, C, H, W) in [-1, 1] -> (N, H, W, C) uint8."""
+    x = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return x.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def save_grid(x: torch.Tensor, path: Path, nrow: int | None = None, pad: int = 2, upscale: int | None = None) -> Path:
+    """Tile images (N, C, H, W) in [-1, 1] into one PNG; small images are enlarged to be legible."""
+    imgs = to_uint8(x)
+    n, h, w, c = imgs.shape
+    nrow = nrow or math.ceil(math.sqrt(n))
+    ncol = math.ceil(n / nrow)
+    canvas = np.full((ncol * (h + pad) + pad, nrow * (w + pad) + pad, c), 255, dtype=np.uint8)
+    for i, img in enumerate(imgs):
+        r, col = divmod(i, nrow)
+        canvas[pad + r * (h + pad): pad + r * (h + pad) + h, pad + col * (w + pad): pad + col * (w + pad) + w] = img
+    image = Image.fromarray(canvas[..., 0] if c == 1 else canvas)
+    upscale = upscale or max(1, 64 // h)
+    if upscale > 1:
+        image = image.resize((image.width * upscale, image.height * upscale), Image.NEAREST)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return path
+
+
+def save_scatter(x: torch.Tensor, path: Path, reference: torch.Tensor | None = None, title: str = "") -> Path:
+    """First two coordinates of vector samples, over reference data in grey."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 5), dpi=100)
+    if reference is not None:
+        r = reference.float().cpu().numpy()
+        ax.scatter(r[:, 0], r[:, 1], s=2, c="0.75", label="data")
+    s = x.float().cpu().numpy()
+    ax.scatter(s[:, 0], s[:, 1], s=2, c="tab:blue", label="samples")
+    ax.set_aspect("equal")
+    ax.legend(loc="upper right")
+    ax.set_title(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def save_samples_picture(x: torch.Tensor, path: Path, reference: torch.Tensor | None = None, title: str = "") -> Path:
+    """A grid for images, a scatter plot for vectors."""
+    if x.dim() == 4:
+        return save_grid(x, path)
+    return save_scatter(x, path, reference, title)

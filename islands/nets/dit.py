@@ -1,0 +1,153 @@
+"""Diffusion Transformer.
+
+Peebles & Xie 2023, "Scalable Diffusion Models with Transformers": patchify, a stack of
+adaLN-Zero transformer blocks conditioned on time (+ class), a final adaptive layer, unpatchify.
+The output has the input's channels (no learned variance).
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from islands.nets.layers import ConditionEmbedder, modulate
+
+# Model sizes from the paper, Table 1.
+DIT_PRESETS = {
+    "S": dict(depth=12, hidden_size=384, num_heads=6),
+    "B": dict(depth=12, hidden_size=768, num_heads=12),
+    "L": dict(depth=24, hidden_size=1024, num_heads=16),
+    "XL": dict(depth=28, hidden_size=1152, num_heads=16),
+}
+
+
+def sincos_1d(pos, dim):
+    """(N,) positions -> (N, dim) sin/cos features (Vaswani et al. 2017, Sec. 3.5)."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64, device=pos.device) / (dim // 2))
+    args = pos.double()[:, None] * omega[None]
+    return torch.cat([torch.sin(args), torch.cos(args)], dim=1)
+
+
+def sincos_2d(grid_size, dim):
+    """(grid_size**2, dim) fixed positional embedding: half the features encode the column,
+    half the row, in row-major token order (as in MAE, He et al. 2022, and DiT)."""
+    coords = torch.arange(grid_size, dtype=torch.float64)
+    rows, cols = torch.meshgrid(coords, coords, indexing="ij")
+    emb = torch.cat([sincos_1d(cols.flatten(), dim // 2), sincos_1d(rows.flatten(), dim // 2)], dim=1)
+    return emb.float()
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, D // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, heads, T, head_dim)
+        x = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(x.transpose(1, 2).reshape(B, T, D))
+
+
+class DiTBlock(nn.Module):
+    """Transformer block with adaLN-Zero: the conditioning regresses shift, scale and a gate
+    for each branch; the gates start at zero, so the block starts as identity (paper Sec. 3.2)."""
+
+    def __init__(self, hidden_size, num_heads, mlp_ratio=4.0):
+        super().__init__()
+        mlp_hidden = int(hidden_size * mlp_ratio)
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(hidden_size, num_heads)
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp = nn.Sequential(
+            nn.Linear(hidden_size, mlp_hidden),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(mlp_hidden, hidden_size),
+        )
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+
+    def forward(self, x, c):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+        return x
+
+
+class FinalLayer(nn.Module):
+    """Adaptive LayerNorm then a linear map from tokens to patches."""
+
+    def __init__(self, hidden_size, patch_size, out_channels):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(modulate(self.norm(x), shift, scale))
+
+
+class DiT(nn.Module):
+    def __init__(self, input_size, in_channels, patch_size=2, hidden_size=384, depth=12, num_heads=6,
+                 mlp_ratio=4.0, num_classes=0):
+        super().__init__()
+        if input_size % patch_size:
+            raise ValueError(f"input_size ({input_size}) must be divisible by patch_size ({patch_size})")
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
+        if hidden_size % 4:
+            raise ValueError(f"hidden_size ({hidden_size}) must be divisible by 4 for the 2-D sin-cos embedding")
+        self.in_channels = in_channels
+        self.patch_size = patch_size
+        self.grid_size = input_size // patch_size
+        self.num_classes = num_classes
+
+        self.x_embedder = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size)
+        self.embed = ConditionEmbedder(hidden_size, num_classes)
+        # Fixed, not learned. A persistent buffer, so loading a checkpoint restores it even
+        # when the model was built on the meta device.
+        self.register_buffer("pos_embed", torch.zeros(1, self.grid_size ** 2, hidden_size))
+        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth))
+        self.final_layer = FinalLayer(hidden_size, patch_size, in_channels)
+        self.initialize_weights()
+
+    @torch.no_grad()
+    def initialize_weights(self):
+        """The paper's initialisation (Sec. 3.2 and its released code). Call again after
+        materialising a meta-device model with to_empty()."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        self.pos_embed.copy_(sincos_2d(self.grid_size, self.pos_embed.shape[-1]).unsqueeze(0))
+        # Patch embedding initialised like a linear layer on flattened patches.
+        nn.init.xavier_uniform_(self.x_embedder.weight.view(self.x_embedder.weight.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.bias)
+        if self.embed.label is not None:
+            nn.init.normal_(self.embed.label.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.embed.time.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.embed.time.mlp[2].weight, std=0.02)
+        # adaLN-Zero: every block starts as the identity and the output starts at zero.
+        for block in self.blocks:
+            nn.init.zeros_(block.adaLN_modulation[-1].weight)
+            nn.init.zeros_(block.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.linear.weight)
+        nn.init.zeros_(self.final_layer.linear.bias)
+
+    def unpatchify(self, x):
+        """(B, T, p*p*C) tokens -> (B, C, H, W) image."""
+        B, p, g, C = x.shape[0], self.patch_size, self.grid_size, self.in_channels
+        x = x.reshape(B, g, g, p, p, C)
+        x = torch.einsum("bhwpqc->bchpwq", x)
+        return x.reshape(B, C, g * p, g * p)
+
+    def forward(self, x, t, cond=None):
+        x = self.x_embedder(x).flatten(2).transpose(1, 2) + self.pos_embed  # (B, T, D)
+        c = self.embed(t, cond)
+        for block in self.blocks:
+            x = block(x, c)
+        return self.unpatchify(self.final_layer(x, c))

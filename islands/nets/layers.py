@@ -1,0 +1,101 @@
+"""Layers shared by the networks: time and label embeddings, modulation, init helpers."""
+
+import math
+
+import torch
+import torch.nn as nn
+
+
+def timestep_embedding(t, dim, max_period=10000):
+    """Sinusoidal embedding of continuous times t in [0, 1], shape (B,) -> (B, dim).
+
+    Frequencies follow Vaswani et al. 2017, "Attention Is All You Need", Sec. 3.5.
+    t is scaled by 1000 so the embedding spans the same range as for the integer
+    steps of DDPM / ADM / DiT, whose frequencies were tuned for that range.
+    """
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = 1000.0 * t.float()[:, None] * freqs[None]
+    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    if dim % 2:
+        emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)
+    return emb
+
+
+class TimestepEmbedder(nn.Module):
+    """Sinusoid followed by a two-layer MLP, as in ADM and DiT."""
+
+    def __init__(self, hidden_size, frequency_size=256):
+        super().__init__()
+        self.frequency_size = frequency_size
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_size, hidden_size),
+            nn.SiLU(),
+            nn.Linear(hidden_size, hidden_size),
+        )
+
+    def forward(self, t):
+        return self.mlp(timestep_embedding(t, self.frequency_size))
+
+
+class LabelEmbedder(nn.Module):
+    """Class embedding table with one extra row, index num_classes, for "no label".
+
+    The null row is what classifier-free guidance (Ho & Salimans 2022) uses for the
+    unconditional prediction. Label dropout is the training loop's job: it passes
+    the null index, so the network itself stays deterministic.
+    """
+
+    def __init__(self, num_classes, hidden_size):
+        super().__init__()
+        self.num_classes = num_classes
+        self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)
+
+    def forward(self, labels):
+        return self.embedding_table(labels)
+
+
+def labels_or_null(cond, batch, num_classes, device):
+    """cond if given, else a (batch,) tensor filled with the null index num_classes."""
+    if cond is not None:
+        return cond
+    return torch.full((batch,), num_classes, dtype=torch.long, device=device)
+
+
+class ConditionEmbedder(nn.Module):
+    """Time embedding plus, when num_classes > 0, a class embedding (ADM / DiT sum them)."""
+
+    def __init__(self, hidden_size, num_classes=0, frequency_size=256):
+        super().__init__()
+        self.num_classes = num_classes
+        self.time = TimestepEmbedder(hidden_size, frequency_size)
+        self.label = LabelEmbedder(num_classes, hidden_size) if num_classes > 0 else None
+
+    def forward(self, t, cond=None):
+        emb = self.time(t)
+        if self.label is not None:
+            emb = emb + self.label(labels_or_null(cond, t.shape[0], self.num_classes, t.device))
+        return emb
+
+
+def modulate(x, shift, scale):
+    """Adaptive normalisation: x * (1 + scale) + shift (FiLM, Perez et al. 2018).
+
+    shift and scale are (B, D); x is (B, D) or (B, T, D) with features last.
+    """
+    if x.dim() == 3:
+        shift, scale = shift.unsqueeze(1), scale.unsqueeze(1)
+    return x * (1 + scale) + shift
+
+
+def zero_module(module):
+    """Zero every parameter of module and return it, so a residual branch starts as identity."""
+    for p in module.parameters():
+        nn.init.zeros_(p)
+    return module
+
+
+def group_norm(channels, max_groups=32):
+    """GroupNorm with the largest group count <= max_groups that divides channels."""
+    groups = max(g for g in range(1, min(max_groups, channels) + 1) if channels % g == 0)
+    return nn.GroupNorm(groups, channels)

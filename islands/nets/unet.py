@@ -1,0 +1,159 @@
+"""ADM-style U-Net.
+
+Ho et al. 2020, "Denoising Diffusion Probabilistic Models" (architecture, App. B) and
+Dhariwal & Nichol 2021, "Diffusion Models Beat GANs on Image Synthesis" (ADM: scale-shift
+conditioning, attention at several resolutions, skips from every block).
+
+Every repeated unit lives in self.blocks and is called as block(h, emb); the skip
+connections are kept by UNet.forward, so blocks can be checkpointed or sharded alone.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from islands.nets.layers import ConditionEmbedder, group_norm, zero_module
+
+
+class ResBlock(nn.Module):
+    """GroupNorm-SiLU-conv twice; the embedding scales and shifts the second norm (ADM)."""
+
+    def __init__(self, in_channels, out_channels, emb_dim, dropout=0.0):
+        super().__init__()
+        self.norm1 = group_norm(in_channels)
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        self.emb_proj = nn.Sequential(nn.SiLU(), nn.Linear(emb_dim, 2 * out_channels))
+        self.norm2 = group_norm(out_channels)
+        self.dropout = nn.Dropout(dropout)
+        self.conv2 = zero_module(nn.Conv2d(out_channels, out_channels, 3, padding=1))
+        self.skip = nn.Conv2d(in_channels, out_channels, 1) if in_channels != out_channels else nn.Identity()
+
+    def forward(self, x, emb):
+        h = self.conv1(F.silu(self.norm1(x)))
+        scale, shift = self.emb_proj(emb)[:, :, None, None].chunk(2, dim=1)
+        h = self.norm2(h) * (1 + scale) + shift
+        h = self.conv2(self.dropout(F.silu(h)))
+        return self.skip(x) + h
+
+
+class AttentionBlock(nn.Module):
+    """Multi-head self-attention over all spatial positions, with a residual connection."""
+
+    def __init__(self, channels, num_heads):
+        super().__init__()
+        if channels % num_heads:
+            raise ValueError(f"channels ({channels}) must be divisible by num_heads ({num_heads})")
+        self.num_heads = num_heads
+        self.norm = group_norm(channels)
+        self.qkv = nn.Conv2d(channels, 3 * channels, 1)
+        self.proj = zero_module(nn.Conv2d(channels, channels, 1))
+
+    def forward(self, x):
+        B, C, H, W = x.shape
+        qkv = self.qkv(self.norm(x)).reshape(B, 3, self.num_heads, C // self.num_heads, H * W)
+        q, k, v = qkv.transpose(-1, -2).unbind(1)  # each (B, heads, HW, head_dim)
+        h = F.scaled_dot_product_attention(q, k, v)
+        h = h.transpose(-1, -2).reshape(B, C, H, W)
+        return x + self.proj(h)
+
+
+class UNetBlock(nn.Module):
+    """One ResBlock, optionally followed by self-attention: the unit of the down and up paths."""
+
+    def __init__(self, in_channels, out_channels, emb_dim, attention, num_heads, dropout):
+        super().__init__()
+        self.res = ResBlock(in_channels, out_channels, emb_dim, dropout)
+        self.attn = AttentionBlock(out_channels, num_heads) if attention else None
+
+    def forward(self, x, emb):
+        x = self.res(x, emb)
+        return self.attn(x) if self.attn is not None else x
+
+
+class Downsample(nn.Module):
+    """Stride-2 3x3 conv; (n + 1) // 2 output size, so odd sizes such as 7 -> 4 work."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+
+    def forward(self, x, emb):
+        return self.conv(x)  # emb unused; the signature matches the other blocks
+
+
+class MiddleBlock(nn.Module):
+    """ResBlock - attention - ResBlock at the lowest resolution."""
+
+    def __init__(self, channels, emb_dim, num_heads, dropout):
+        super().__init__()
+        self.res1 = ResBlock(channels, channels, emb_dim, dropout)
+        self.attn = AttentionBlock(channels, num_heads)
+        self.res2 = ResBlock(channels, channels, emb_dim, dropout)
+
+    def forward(self, x, emb):
+        return self.res2(self.attn(self.res1(x, emb)), emb)
+
+
+class UNet(nn.Module):
+    """Predicts a tensor of x's shape from (x, t, cond).
+
+    attention_resolutions lists feature-map sides (e.g. 16 means 16x16) that get attention.
+    Upsampling is nearest-neighbour to the size of the skip it is joined with, so sizes that
+    halve unevenly (28 -> 14 -> 7 -> 4) come back exactly.
+    """
+
+    def __init__(self, in_channels, resolution, channels=64, channel_mult=(1, 2, 2), num_res_blocks=2,
+                 attention_resolutions=(16,), num_heads=4, dropout=0.0, num_classes=0):
+        super().__init__()
+        self.num_classes = num_classes
+        emb_dim = 4 * channels
+        self.embed = ConditionEmbedder(emb_dim, num_classes, frequency_size=channels)
+        self.conv_in = nn.Conv2d(in_channels, channels, 3, padding=1)
+
+        # Feature-map side at each level: a stride-2 conv maps n to (n + 1) // 2.
+        level_res = [resolution]
+        for _ in channel_mult[1:]:
+            level_res.append((level_res[-1] + 1) // 2)
+        use_attn = [r in attention_resolutions for r in level_res]
+
+        blocks = []
+        skip_channels = [channels]
+        ch = channels
+        for level, mult in enumerate(channel_mult):
+            for _ in range(num_res_blocks):
+                blocks.append(UNetBlock(ch, mult * channels, emb_dim, use_attn[level], num_heads, dropout))
+                ch = mult * channels
+                skip_channels.append(ch)
+            if level < len(channel_mult) - 1:
+                blocks.append(Downsample(ch))
+                skip_channels.append(ch)
+        self.num_down = len(blocks)
+
+        blocks.append(MiddleBlock(ch, emb_dim, num_heads, dropout))
+
+        # One more block per level than on the way down: it consumes the Downsample's skip
+        # (or conv_in's at the top level).
+        for level, mult in reversed(list(enumerate(channel_mult))):
+            for _ in range(num_res_blocks + 1):
+                blocks.append(UNetBlock(ch + skip_channels.pop(), mult * channels, emb_dim,
+                                        use_attn[level], num_heads, dropout))
+                ch = mult * channels
+        self.blocks = nn.ModuleList(blocks)
+
+        self.norm_out = group_norm(ch)
+        self.conv_out = zero_module(nn.Conv2d(ch, in_channels, 3, padding=1))
+
+    def forward(self, x, t, cond=None):
+        emb = self.embed(t, cond)
+        h = self.conv_in(x)
+        skips = [h]
+        for block in self.blocks[:self.num_down]:
+            h = block(h, emb)
+            skips.append(h)
+        h = self.blocks[self.num_down](h, emb)
+        for block in self.blocks[self.num_down + 1:]:
+            skip = skips.pop()
+            if h.shape[-2:] != skip.shape[-2:]:
+                h = F.interpolate(h, size=skip.shape[-2:], mode="nearest")
+            h = block(torch.cat([h, skip], dim=1), emb)
+        return self.conv_out(F.silu(self.norm_out(h)))

@@ -1,0 +1,238 @@
+"""The one training loop. Progress is counted in images; rerunning the same command resumes.
+
+One optimizer step consumes one global batch of `train.batch_size` images, split into
+`train.accumulate` micro-batches. Every example's noise, time, label dropout and flip come from its
+position in the global stream, so an interrupted run continues exactly where it stopped.
+"""
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from islands.config import Config, ConfigError, to_dict, trajectory_changes
+from islands.data import build_data, streams
+from islands.data.loader import stream_loader
+from islands.flow.denoiser import NetworkDenoiser
+from islands.flow.objectives import training_loss
+from islands.flow.paths import build_path
+from islands.flow.timesteps import TimeSampler
+from islands.generate import generate, sample_labels
+from islands.images import save_samples_picture
+from islands.nets import build_network
+from islands.train.activation_checkpointing import checkpoint_blocks
+from islands.train.checkpoint import latest_checkpoint, load_weights, read_state, read_trainer, write_checkpoint
+from islands.train.ema import EMA
+from islands.train.logbook import Logbook
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite steps in a row); the last checkpoint is intact."""
+
+
+@dataclass
+class Progress:
+    images: int = 0  # training images consumed so far: the run's clock
+    step: int = 0  # optimizer steps attempted, skipped ones included
+    skipped: int = 0  # steps skipped because the loss or gradients were not finite
+    nonfinite_in_a_row: int = 0
+
+
+class DiffusionObjective:
+    """Per-sample diffusion loss with all randomness drawn from the examples' stream positions."""
+
+    def __init__(self, cfg: Config, num_classes: int):
+        self.path = build_path(cfg.flow.path)
+        self.prediction = cfg.flow.prediction
+        self.times = TimeSampler(cfg.flow.time_sampler, *cfg.flow.t_range, cfg.flow.logit_mean, cfg.flow.logit_std)
+        self.seed, self.num_classes, self.label_dropout = cfg.seed, num_classes, cfg.train.label_dropout
+
+    def __call__(self, net, x0: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        pos = positions.tolist()
+        noise = streams.normal(self.seed, pos, tuple(x0.shape[1:])).to(x0)
+        tau = self.times(streams.uniform(self.seed, pos, "time")).to(x0)
+        cond = None
+        if self.num_classes:
+            drop = (streams.uniform(self.seed, pos, "label_drop") < self.label_dropout).to(x0.device)
+            cond = torch.where(drop, torch.full_like(labels, self.num_classes), labels)
+        return training_loss(net, self.path, self.prediction, x0, noise, tau, cond)
+
+
+def learning_rate(cfg: Config, images: int) -> float:
+    """Linear warm-up over `train.warmup_images`, then constant."""
+    if cfg.train.warmup_images == 0:
+        return cfg.train.lr
+    return cfg.train.lr * min(1.0, (images + cfg.train.batch_size) / cfg.train.warmup_images)
+
+
+def crossed(before: int, after: int, every: int) -> bool:
+    return every > 0 and after // every > before // every
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    """Create the run directory, or check that the one there holds this same run."""
+    run_dir = Path(cfg.run_dir)
+    resolved = to_dict(cfg)
+    config_file = run_dir / "config.yaml"
+    if config_file.exists():
+        changes = trajectory_changes(yaml.safe_load(config_file.read_text()), resolved)
+        if changes:
+            raise ConfigError(f"{run_dir} holds a run with another config ({changes[0]}); use a new run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / ".config.yaml.tmp"
+    tmp.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    tmp.replace(config_file)
+    return run_dir
+
+
+def autocast(cfg: Config, device: torch.device):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def train(cfg: Config, progress: bool = True) -> Path:
+    """Train (or resume) the run that `cfg` describes and return its directory."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    run_dir = prepare_run_dir(cfg)
+    torch.manual_seed(cfg.seed)  # initial weights; all later randomness is keyed per example
+
+    source = build_data(cfg.data, cfg.seed)
+    source.check()
+    shape, num_classes = tuple(source.shape), cfg.model.num_classes
+    if num_classes and num_classes != source.num_classes:
+        raise ConfigError(f"model.num_classes: {num_classes} does not match the data's {source.num_classes} classes")
+    (run_dir / "model.json").write_text(json.dumps({"shape": list(shape), "num_classes": num_classes}))
+
+    net = build_network(cfg.model, shape, num_classes).to(device)
+    ema = EMA(net, cfg.train.ema_halflife_images, cfg.train.ema_rampup) if cfg.train.ema_halflife_images else None
+    if cfg.train.activation_checkpointing:
+        checkpoint_blocks(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
+                            weight_decay=cfg.train.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, enabled=cfg.train.precision == "fp16")
+    objective = DiffusionObjective(cfg, num_classes)
+
+    state = Progress()
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        net.load_state_dict(load_weights(ckpt / "model.safetensors"))
+        if ema is not None:
+            ema.net.load_state_dict(load_weights(ckpt / "ema.safetensors"))
+        trainer = read_trainer(ckpt)
+        opt.load_state_dict(trainer["optimizer"])
+        scaler.load_state_dict(trainer["scaler"])
+        torch.set_rng_state(trainer["rng"])
+        state = Progress(**read_state(ckpt)["progress"])
+    if state.images >= cfg.train.images:
+        if progress:
+            print(f"{run_dir}: already trained on {state.images} images; nothing to do")
+        return run_dir
+
+    def save_checkpoint() -> Path:
+        files = {"model.safetensors": ("weights", net.state_dict()),
+                 "trainer.pt": ("torch", {"optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
+                                          "rng": torch.get_rng_state()})}
+        if ema is not None:
+            files["ema.safetensors"] = ("weights", ema.net.state_dict())
+        return write_checkpoint(run_dir, state.images, files, {"progress": asdict(state)}, cfg.train.keep_checkpoints)
+
+    def save_samples() -> None:
+        sampler = NetworkDenoiser((ema.net if ema is not None else net).eval(), objective.path, objective.prediction)
+        num = min(cfg.sample.num, 64 if len(shape) == 3 else 2000)  # a legible grid, or a dense scatter
+        labels = sample_labels(num, num_classes)
+        x = generate(sampler, shape, num, cfg.sample, cfg.seed, labels, device=device)
+        reference = source.get(list(range(min(len(source), 2000))))[0] if len(shape) == 1 else None
+        save_samples_picture(x, run_dir / "samples" / f"{state.images:012d}.png", reference, f"{state.images} images")
+        net.train()
+
+    loader = iter(stream_loader(source, cfg.train.batch_size, cfg.seed, start=state.images,
+                                workers=cfg.data.workers, flip=cfg.data.flip))
+    logbook = Logbook(run_dir)
+    run_length = math.ceil(cfg.train.images / cfg.train.batch_size) * cfg.train.batch_size  # whole batches
+    bar = tqdm(total=run_length, initial=state.images, unit="img", disable=not progress, dynamic_ncols=True)
+    params = [p for p in net.parameters() if p.requires_grad]
+    window = {"loss": 0.0, "grad_norm": 0.0, "steps": 0, "images": 0, "start": time.perf_counter()}
+    batch = cfg.train.batch_size
+    net.train()
+    try:
+        while state.images < cfg.train.images:
+            x, labels, positions = next(loader)
+            x, labels = x.to(device, non_blocking=True), labels.to(device)
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(cfg, state.images)
+
+            opt.zero_grad(set_to_none=True)
+            loss_sum = torch.zeros((), device=device)
+            for xs, ys, ps in zip(x.chunk(cfg.train.accumulate), labels.chunk(cfg.train.accumulate),
+                                  positions.chunk(cfg.train.accumulate)):
+                with autocast(cfg, device):
+                    loss = objective(net, xs, ys, ps).mean()
+                scaler.scale(loss / cfg.train.accumulate).backward()
+                loss_sum += loss.detach() / cfg.train.accumulate
+            scaler.unscale_(opt)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or math.inf)
+            before = state.images
+            state.images += batch
+            state.step += 1
+            if torch.isfinite(loss_sum) and torch.isfinite(grad_norm):
+                scaler.step(opt)
+                scaler.update()
+                if ema is not None:
+                    ema.update(net, state.images, batch)
+                state.nonfinite_in_a_row = 0
+                window["loss"] += loss_sum.item()
+                window["grad_norm"] += grad_norm.item()
+                window["steps"] += 1
+            else:
+                scaler.update()
+                state.skipped += 1
+                state.nonfinite_in_a_row += 1
+                if state.nonfinite_in_a_row >= cfg.train.max_nonfinite:
+                    last = latest_checkpoint(run_dir)
+                    raise TrainingStopped(
+                        f"stopped after {state.nonfinite_in_a_row} steps in a row with non-finite loss or gradients "
+                        f"(image {state.images}); last good checkpoint: {last or 'none'}")
+            window["images"] += batch
+            bar.update(batch)
+
+            done = state.images >= cfg.train.images
+            if crossed(before, state.images, cfg.train.log_every) or done:
+                seconds = time.perf_counter() - window["start"]
+                steps = max(window["steps"], 1)
+                record = {"images": state.images, "step": state.step, "loss": window["loss"] / steps,
+                          "grad_norm": window["grad_norm"] / steps, "lr": opt.param_groups[0]["lr"],
+                          "images_per_s": window["images"] / seconds, "skipped": state.skipped}
+                logbook.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
+                window = {"loss": 0.0, "grad_norm": 0.0, "steps": 0, "images": 0, "start": time.perf_counter()}
+            if crossed(before, state.images, cfg.train.checkpoint_every) or done:
+                save_checkpoint()
+            if crossed(before, state.images, cfg.train.sample_every) or done:
+                save_samples()
+    finally:
+        bar.close()
+        logbook.close()
+    return run_dir
+
+
+def run_summary(run_dir: Path) -> str:
+    """Where a finished run put things, for people."""
+    run_dir = Path(run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    grids = sorted((run_dir / "samples").glob("*.png"))
+    lines = [f"run directory:   {run_dir}",
+             f"checkpoint:      {ckpt}",
+             f"samples:         {grids[-1] if grids else 'none'}",
+             f"metrics:         {run_dir / 'metrics.jsonl'}",
+             f"tensorboard:     tensorboard --logdir {run_dir / 'tensorboard'}"]
+    return "\n".join(lines)

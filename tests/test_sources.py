@@ -1,0 +1,324 @@
+import gzip
+import os
+import re
+import struct
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from islands.data.sources import (FASHION_MNIST_DIR, ArrayFile, DataError, FashionMnist,
+                                  ImageFolder, Mnist5k, Source, build_source, read_idx)
+
+
+# -----------------------------------------------------------------------------
+# helpers
+
+def write_idx(path, array, compress=False):
+    """Write an IDX file independently of the parser under test."""
+    codes = {np.dtype(np.uint8): 0x08, np.dtype(np.int16): 0x0B,
+             np.dtype(np.int32): 0x0C, np.dtype(np.float32): 0x0D}
+    header = struct.pack(">BBBB", 0, 0, codes[array.dtype], array.ndim)
+    header += struct.pack(f">{array.ndim}I", *array.shape)
+    raw = header + array.astype(array.dtype.newbyteorder(">")).tobytes()
+    with (gzip.open if compress else open)(path, "wb") as f:
+        f.write(raw)
+
+
+def write_fashion(directory, n=12, split="train", compress=True, seed=0):
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+    images[0, 0, 0], images[0, 0, 1] = 0, 255  # both extremes present
+    labels = (np.arange(n) % 10).astype(np.uint8)
+    prefix = {"train": "train", "test": "t10k"}[split]
+    ext = ".gz" if compress else ""
+    write_idx(directory / f"{prefix}-images-idx3-ubyte{ext}", images, compress)
+    write_idx(directory / f"{prefix}-labels-idx1-ubyte{ext}", labels, compress)
+    return images, labels
+
+
+def save_image(path, size, color, mode="RGB"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new(mode, size, color).save(path)
+
+
+# -----------------------------------------------------------------------------
+# mnist5k
+
+@pytest.fixture(scope="module")
+def mnist():
+    return Mnist5k()
+
+
+def test_mnist5k(mnist):
+    assert isinstance(mnist, Source)
+    assert len(mnist) == 5000
+    assert mnist.shape == (1, 28, 28) and mnist.num_classes == 10 and mnist.flip is False
+    x, y = mnist.get(np.arange(5000))
+    assert x.dtype == torch.float32 and x.shape == (5000, 1, 28, 28)
+    assert y.dtype == torch.int64 and y.shape == (5000,)
+    assert x.min() == -1.0 and x.max() == 1.0
+    counts = torch.bincount(y, minlength=10)
+    assert len(counts) == 10 and (counts - 500).abs().max() <= 50
+
+
+def test_mnist5k_resolution():
+    src = build_source("mnist5k", resolution=16)
+    x, y = src.get(np.array([0, 4999]))
+    assert src.shape == (1, 16, 16) and x.shape == (2, 1, 16, 16)
+    assert x.min() >= -1.0 and x.max() <= 1.0 and y.tolist() == [0, 9]
+
+
+def test_get_subset_matches_full(mnist):
+    x_all, y_all = mnist.get(np.arange(5000))
+    idx = np.array([4999, 3, 3, 2500])
+    x, y = mnist.get(idx)
+    assert torch.equal(x, x_all[idx]) and torch.equal(y, y_all[idx])
+
+
+# -----------------------------------------------------------------------------
+# IDX / fashion_mnist
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_idx_round_trip(tmp_path, compress):
+    a = np.random.default_rng(1).integers(0, 256, size=(3, 5, 7), dtype=np.uint8)
+    write_idx(tmp_path / "a.idx", a, compress)
+    b = read_idx(tmp_path / "a.idx")
+    assert b.dtype == np.uint8 and np.array_equal(a, b)
+    f = np.arange(6, dtype=np.float32).reshape(2, 3) / 7
+    write_idx(tmp_path / "f.idx", f, compress)
+    assert np.array_equal(read_idx(tmp_path / "f.idx"), f)
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_fashion_round_trip(tmp_path, compress):
+    images, labels = write_fashion(tmp_path, n=12, compress=compress)
+    src = build_source("fashion_mnist", path=str(tmp_path), split="train")
+    assert len(src) == 12 and src.shape == (1, 28, 28) and src.num_classes == 10
+    assert src.flip is False
+    x, y = src.get(np.arange(12))
+    back = np.rint((x.numpy()[:, 0] + 1) * 127.5).astype(np.uint8)
+    assert np.array_equal(back, images)
+    assert y.tolist() == labels.tolist()
+    assert x.min() == -1.0 and x.max() == 1.0
+
+
+def test_fashion_test_split_and_resolution(tmp_path):
+    write_fashion(tmp_path, n=5, split="test")
+    src = FashionMnist(path=tmp_path, split="test", resolution=32)
+    x, _ = src.get(np.arange(5))
+    assert src.shape == (1, 32, 32) and x.shape == (5, 1, 32, 32)
+    assert x.min() >= -1.0 and x.max() <= 1.0
+    with pytest.raises(DataError, match="train-images-idx3-ubyte"):
+        FashionMnist(path=tmp_path, split="train")  # only the test split was written
+
+
+def test_idx_truncated(tmp_path):
+    write_fashion(tmp_path, n=4, compress=False)
+    path = tmp_path / "train-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:100])
+    message = f"{path}: expected {16 + 4 * 784} bytes, found 100"
+    with pytest.raises(DataError, match=re.escape(message)):
+        FashionMnist(path=tmp_path)
+    # a gzip stream cut short is caught too
+    write_idx(tmp_path / "cut.gz", np.zeros((4, 28, 28), np.uint8), compress=True)
+    gz = tmp_path / "cut.gz"
+    gz.write_bytes(gz.read_bytes()[:-12])
+    with pytest.raises(DataError, match=re.escape(f"{gz}: corrupt gzip")):
+        read_idx(gz)
+
+
+def test_idx_bad_headers(tmp_path):
+    p = tmp_path / "bad.idx"
+    p.write_bytes(b"\x01\x00\x08\x01" + struct.pack(">I", 1) + b"\x00")
+    with pytest.raises(DataError, match="bad magic"):
+        read_idx(p)
+    p.write_bytes(b"\x00\x00\x07\x01" + struct.pack(">I", 1) + b"\x00")
+    with pytest.raises(DataError, match="dtype code 0x07"):
+        read_idx(p)
+    p.write_bytes(b"\x1f\x8b not really gzip")
+    with pytest.raises(DataError, match=re.escape(f"{p}: corrupt gzip")):
+        read_idx(p)
+
+
+def test_fashion_label_mismatch(tmp_path):
+    write_fashion(tmp_path, n=4)
+    write_idx(tmp_path / "train-labels-idx1-ubyte.gz", np.zeros(3, np.uint8), compress=True)
+    with pytest.raises(DataError, match="3 labels for 4 images"):
+        FashionMnist(path=tmp_path)
+
+
+def test_fashion_missing_dir(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(DataError, match=re.escape(str(missing)) + ".*dataset-fashion-mnist"):
+        FashionMnist(path=missing)
+
+
+@pytest.mark.skipif(not os.path.isdir(FASHION_MNIST_DIR), reason="dataset-fashion-mnist absent")
+def test_fashion_real():
+    src = FashionMnist(split="test")
+    x, y = src.get(np.arange(len(src)))
+    assert len(src) == 10000 and x.shape == (10000, 1, 28, 28)
+    assert x.min() == -1.0 and x.max() == 1.0
+    assert torch.bincount(y).tolist() == [1000] * 10
+
+
+# -----------------------------------------------------------------------------
+# folder
+
+@pytest.fixture
+def image_tree(tmp_path):
+    root = tmp_path / "images"
+    save_image(root / "cats" / "a.png", (40, 20), (255, 0, 0))
+    save_image(root / "cats" / "deep" / "b.jpg", (20, 30), (0, 0, 255))
+    save_image(root / "dogs" / "c.jpeg", (16, 16), 255, mode="L")
+    save_image(root / "dogs" / "d.PNG", (50, 50), (0, 255, 0, 128), mode="RGBA")
+    (root / "dogs" / "notes.txt").write_text("not an image")
+    return root
+
+
+def test_folder_labels_and_shapes(image_tree):
+    src = build_source("folder", path=str(image_tree), resolution=8, channels=3)
+    assert len(src) == 4 and src.shape == (3, 8, 8)
+    assert src.num_classes == 2 and src.classes == ["cats", "dogs"] and src.flip is True
+    x, y = src.get(np.arange(4))
+    assert x.dtype == torch.float32 and x.shape == (4, 3, 8, 8)
+    assert y.dtype == torch.int64 and y.tolist() == [0, 0, 1, 1]
+    assert x.min() >= -1.0 and x.max() <= 1.0
+    red = x[0].mean(dim=(1, 2))  # a.png is pure red: exact after resize of a flat image
+    assert torch.allclose(red, torch.tensor([1.0, -1.0, -1.0]))
+    assert torch.allclose(x[2], torch.ones(3, 8, 8))  # white greyscale -> RGB
+    src.check()
+
+
+def test_folder_grey_channel(image_tree):
+    src = ImageFolder(image_tree, resolution=5, channels=1)
+    x, y = src.get(np.array([3, 1]))
+    assert src.shape == (1, 5, 5) and x.shape == (2, 1, 5, 5) and y.tolist() == [1, 0]
+
+
+def test_folder_resize_then_centre_crop(tmp_path):
+    # 60x20 image: left third black, middle white, right third black. Shorter side
+    # 20 -> 10 makes it 30x10; the centre 10x10 crop is the white middle.
+    a = np.zeros((20, 60), np.uint8)
+    a[:, 20:40] = 255
+    Image.fromarray(a).save(tmp_path / "wide.png")
+    src = ImageFolder(tmp_path, resolution=10, channels=1)
+    x, y = src.get(np.array([0]))
+    assert y is None and src.num_classes == 0
+    assert x.shape == (1, 1, 10, 10)
+    assert x[0, 0, :, 2:-2].min() > 0.9  # interior is white; only edges may blur
+
+
+def test_folder_unlabeled_when_images_at_root(image_tree):
+    save_image(image_tree / "root.png", (10, 10), (1, 2, 3))
+    src = ImageFolder(image_tree, resolution=4)
+    assert len(src) == 5 and src.num_classes == 0
+    assert src.get(np.arange(5))[1] is None
+
+
+def test_folder_corrupt_image(image_tree):
+    bad = image_tree / "dogs" / "e.png"
+    bad.write_bytes(np.random.default_rng(0).integers(0, 256, 300, dtype=np.uint8).tobytes())
+    src = ImageFolder(image_tree, resolution=8)  # listing alone does not decode
+    i = src.files.index(str(bad))
+    src.get(np.array([0, 1]))  # good images still load
+    message = re.escape(f"corrupt image file {bad}: cannot identify image file")
+    with pytest.raises(DataError, match=message):
+        src.get(np.array([0, i]))
+    with pytest.raises(DataError, match=message):
+        src.check()
+
+
+def test_folder_empty_and_missing(tmp_path):
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    (tmp_path / "empty" / "readme.txt").write_text("hi")
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'empty'} contains no PNG or JPEG")):
+        ImageFolder(tmp_path / "empty", resolution=8)
+    with pytest.raises(DataError, match="does not exist"):
+        ImageFolder(tmp_path / "missing", resolution=8)
+
+
+# -----------------------------------------------------------------------------
+# npz
+
+def test_npz_uint8_images(tmp_path):
+    x = np.random.default_rng(0).integers(0, 256, size=(6, 3, 4, 4), dtype=np.uint8)
+    x[0, 0, 0, :2] = (0, 255)
+    y = np.array([0, 1, 2, 0, 1, 4])
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    src = build_source("npz", path=str(tmp_path / "d.npz"))
+    assert len(src) == 6 and src.shape == (3, 4, 4) and src.num_classes == 5
+    xb, yb = src.get(np.arange(6))
+    assert torch.allclose(xb, torch.from_numpy(x.astype(np.float32) / 127.5 - 1))
+    assert xb.min() == -1.0 and xb.max() == 1.0 and yb.tolist() == y.tolist()
+    # (n, H, W) gains a channel axis; resolution resizes once at load
+    np.savez(tmp_path / "g.npz", x=x[:, 0])
+    src = ArrayFile(tmp_path / "g.npz", resolution=8)
+    assert src.shape == (1, 8, 8) and src.num_classes == 0
+    assert src.get(np.arange(2))[1] is None
+
+
+def test_npz_float_vectors_untouched(tmp_path):
+    v = np.random.default_rng(0).normal(size=(50, 2)).astype(np.float64) * 10
+    np.savez(tmp_path / "v.npz", points=v)
+    src = ArrayFile(tmp_path / "v.npz", key="points")
+    assert src.shape == (2,) and src.num_classes == 0 and src.flip is False
+    x, y = src.get(np.arange(50))
+    assert y is None and x.dtype == torch.float32
+    assert torch.equal(x, torch.from_numpy(v.astype(np.float32)))
+    np.save(tmp_path / "v.npy", v.astype(np.float32))  # a plain .npy works too
+    assert torch.equal(ArrayFile(tmp_path / "v.npy").get(np.arange(50))[0], x)
+
+
+def test_npz_float_images_out_of_range(tmp_path):
+    np.savez(tmp_path / "f.npz", x=np.full((2, 1, 4, 4), 200.0, np.float32))
+    with pytest.raises(DataError, match="must lie in \\[-1, 1\\]"):
+        ArrayFile(tmp_path / "f.npz")
+
+
+def test_npz_missing_key(tmp_path):
+    np.savez(tmp_path / "d.npz", images=np.zeros((2, 4, 4), np.uint8), targets=np.zeros(2))
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'd.npz'}: no key 'x'; "
+                                                  "available keys: images, targets")):
+        ArrayFile(tmp_path / "d.npz")
+
+
+def test_npz_label_mismatch(tmp_path):
+    np.savez(tmp_path / "d.npz", x=np.zeros((3, 4, 4), np.uint8), y=np.zeros(2, np.int64))
+    with pytest.raises(DataError, match="2 labels in 'y' for 3 examples"):
+        ArrayFile(tmp_path / "d.npz")
+
+
+class Bomb:
+    """Unpickling this would append to a list; the loader must never do it."""
+    ran = []
+
+    def __reduce__(self):
+        return (Bomb.ran.append, ("unpickled!",))
+
+
+def test_npz_refuses_pickles(tmp_path):
+    obj = np.empty(2, dtype=object)
+    obj[0], obj[1] = Bomb(), Bomb()
+    np.save(tmp_path / "o.npy", obj, allow_pickle=True)
+    with pytest.raises(DataError, match=re.escape(str(tmp_path / "o.npy"))):
+        ArrayFile(tmp_path / "o.npy")
+    np.savez(tmp_path / "o.npz", x=obj)
+    with pytest.raises(DataError, match=re.escape(str(tmp_path / "o.npz"))):
+        ArrayFile(tmp_path / "o.npz")
+    assert Bomb.ran == []
+
+
+def test_npz_corrupt_and_missing(tmp_path):
+    (tmp_path / "c.npz").write_bytes(b"PK\x03\x04 garbage")
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'c.npz'}: cannot load")):
+        ArrayFile(tmp_path / "c.npz")
+    with pytest.raises(DataError, match="not found"):
+        ArrayFile(tmp_path / "none.npz")
+
+
+def test_unknown_source():
+    with pytest.raises(ValueError, match="unknown data source"):
+        build_source("imagenet")
