@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"islands: config error: {err}", file=sys.stderr)
         return 2
     except (DataError, CheckpointError) as err:
-        print(f"islands: {err}", file=sys.stderr)
+        # Raised in a loader worker, the message carries the worker's traceback: keep its last line.
+        message = str(err).strip().splitlines()[-1].split("DataError: ")[-1]
+        print(f"islands: {message}", file=sys.stderr)
         return 2
     except TrainingStopped as err:
         print(f"islands: {err}", file=sys.stderr)

@@ -5,7 +5,7 @@ line turns it into exit status 2.
 """
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -17,12 +17,20 @@ class ConfigError(ValueError):
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # Sections with a kind (data.source, model.arch) list the keys each kind uses.
+    kind_key: ClassVar[str | None] = None
+    used_by: ClassVar[dict[str, set[str]]] = {}
 
-    def _reject_unused(self, kind_key: str, used: dict[str, set[str]]) -> None:
+    def unused_keys(self) -> set[str]:
+        if self.kind_key is None:
+            return set()
+        kind = getattr(self, self.kind_key)
+        return set(type(self).model_fields) - self.used_by[kind] - {self.kind_key}
+
+    def _reject_unused(self) -> None:
         """Keys that exist but mean nothing for the chosen kind are errors, not silent no-ops."""
-        kind = getattr(self, kind_key)
-        for key in self.model_fields_set - used[kind] - {kind_key}:
-            raise ValueError(f"{key}: not used when {kind_key} is {kind!r}")
+        for key in sorted(self.model_fields_set & self.unused_keys()):
+            raise ValueError(f"{key}: not used when {self.kind_key} is {getattr(self, self.kind_key)!r}")
 
 
 class DataConfig(Section):
@@ -40,16 +48,18 @@ class DataConfig(Section):
     flip: bool | None = None  # None: the source's own default (flip natural images only)
     workers: int = Field(0, ge=0)
 
+    kind_key: ClassVar[str] = "source"
+    used_by: ClassVar[dict[str, set[str]]] = {
+        "mnist5k": {"flip", "workers", "resolution"},
+        "fashion_mnist": {"flip", "workers", "path", "split", "resolution"},
+        "folder": {"flip", "workers", "path", "resolution", "channels"},
+        "npz": {"flip", "workers", "path", "key", "label_key", "resolution"},
+        "gmm": {"flip", "workers", "means", "std", "weights", "size"},
+    }
+
     @model_validator(mode="after")
     def _check(self):
-        common = {"flip", "workers"}
-        self._reject_unused("source", {
-            "mnist5k": common | {"resolution"},
-            "fashion_mnist": common | {"path", "split", "resolution"},
-            "folder": common | {"path", "resolution", "channels"},
-            "npz": common | {"path", "key", "label_key", "resolution"},
-            "gmm": common | {"means", "std", "weights", "size"},
-        })
+        self._reject_unused()
         if self.source in ("folder", "npz") and self.path is None:
             raise ValueError(f"path: required when source is {self.source!r}")
         if self.source == "folder" and self.resolution is None:
@@ -83,13 +93,17 @@ class ModelConfig(Section):
     # MLP
     hidden: int = Field(256, gt=0)
 
+    kind_key: ClassVar[str] = "arch"
+    used_by: ClassVar[dict[str, set[str]]] = {
+        "unet": {"num_classes", "channels", "channel_mult", "num_res_blocks", "attention_resolutions", "dropout",
+                 "num_heads"},
+        "dit": {"num_classes", "num_heads", "preset", "patch_size", "hidden_size", "mlp_ratio", "depth"},
+        "mlp": {"num_classes", "depth", "hidden"},
+    }
+
     @model_validator(mode="after")
     def _check(self):
-        self._reject_unused("arch", {
-            "unet": {"num_classes", "channels", "channel_mult", "num_res_blocks", "attention_resolutions", "dropout", "num_heads"},
-            "dit": {"num_classes", "num_heads", "preset", "patch_size", "hidden_size", "mlp_ratio", "depth"},
-            "mlp": {"num_classes", "depth", "hidden"},
-        })
+        self._reject_unused()
         return self
 
 
@@ -224,7 +238,12 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
 
 
 def to_dict(cfg: Config) -> dict:
-    return cfg.model_dump(mode="json")
+    """The resolved config: every key the run uses, with its value; keys of other kinds left out."""
+    out = cfg.model_dump(mode="json")
+    for name in ("data", "model"):
+        for key in getattr(cfg, name).unused_keys():
+            del out[name][key]
+    return out
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

@@ -75,6 +75,8 @@ def write_samples(x: torch.Tensor, labels: torch.Tensor | None, out_dir: Path) -
     """out_dir/samples.npz (array x, float32, data space; y when conditional) and a picture."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if x.dim() == 4:  # images live in [-1, 1]; the ODE can overshoot it slightly
+        x = x.clamp(-1, 1)
     arrays = {"x": x.numpy().astype(np.float32)}
     if labels is not None:
         arrays["y"] = labels.numpy()

@@ -71,5 +71,7 @@ def stream_loader(source, batch_size: int, seed: int, start: int = 0, rank: int 
     """Infinite loader of (x, labels or -1, positions) for this rank's slice of each global batch."""
     order = StreamOrder(len(source), batch_size, seed, start, rank, world)
     dataset = StreamDataset(source, seed, source.flip if flip is None else flip)
+    # Its own generator: a DataLoader iterator otherwise draws its worker seed from the global RNG,
+    # which would shift dropout masks after a resume.
     return DataLoader(dataset, batch_sampler=order, collate_fn=_already_batched, num_workers=workers,
-                      prefetch_factor=4 if workers else None, persistent_workers=False)
+                      prefetch_factor=4 if workers else None, generator=torch.Generator().manual_seed(seed))

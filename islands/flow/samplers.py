@@ -86,7 +86,7 @@ def dpm2m(v: Callable, x: Tensor, grid: Tensor) -> Tensor:
     """
     x0_prev, h_prev = None, None
     ts = grid.tolist()
-    for i, (t, t_next) in enumerate(zip(ts[:-1], ts[1:])):
+    for t, t_next in zip(ts[:-1], ts[1:]):
         x0 = x - t * v(x, _times(t, x))
         first_or_last = x0_prev is None or t_next == 0.0 or t == 1.0
         h = None if first_or_last else math.log((1 - t_next) / t_next) - math.log((1 - t) / t)

@@ -32,7 +32,7 @@ class MLP(nn.Module):
 
     def forward(self, x, t, cond=None):
         emb = self.embed(t, cond)
-        h = self.proj_in(x)
+        h = self.proj_in(x) + emb  # time enters at once, not only through the zero-initialised modulations
         for block in self.blocks:
             h = block(h, emb)
         return self.proj_out(self.norm_out(h))

@@ -1,0 +1,37 @@
+"""Run the benchmarks: `python -m benchmarks` runs them all, `python -m benchmarks precision` one of them.
+
+Each prints its table, writes benchmarks/results/<name>.json and any figure to docs/figures/.
+"""
+
+import argparse
+import importlib
+import time
+
+BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", metavar="name",
+                        help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
+    names = parser.parse_args().names or BENCHMARKS
+    for name in names:
+        if name not in BENCHMARKS:
+            parser.error(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
+    suite_start = time.perf_counter()
+    verdicts = []
+    for name in names:
+        print(f"\n== {name} ==", flush=True)
+        start = time.perf_counter()
+        result = importlib.import_module(f"benchmarks.{name}").run()
+        seconds = time.perf_counter() - start
+        verdicts.append((name, result["met"], seconds))
+        print(f"({seconds:.0f} s; benchmarks/results/{name}.json)", flush=True)
+    print("\n== summary ==")
+    for name, met, seconds in verdicts:
+        print(f"{name:26s} target {'met' if met else 'NOT met':8s} {seconds:5.0f} s")
+    print(f"{'total':26s} {'':15s} {time.perf_counter() - suite_start:5.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+import numpy as np
+import pytest
+import torch
+
+from islands.config import validate
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture
+def image_npz(tmp_path):
+    """64 random 1x8x8 uint8 images with 4 labels: a data set small enough for many short runs."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "images.npz"
+    np.savez(path, x=rng.integers(0, 256, size=(64, 1, 8, 8), dtype=np.uint8), y=np.arange(64) % 4)
+    return path
+
+
+def tiny_unet_config(run_dir, data_path, **sections) -> dict:
+    """A complete config dict for a tiny conditional U-Net on `image_npz`; sections update it."""
+    cfg = {
+        "run_dir": str(run_dir), "seed": 3,
+        "data": {"source": "npz", "path": str(data_path), "flip": True},
+        "model": {"arch": "unet", "num_classes": 4, "channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1,
+                  "attention_resolutions": [4], "dropout": 0.1},
+        "train": {"images": 96, "batch_size": 8, "accumulate": 2, "lr": 1e-3, "warmup_images": 32,
+                  "ema_halflife_images": 40, "checkpoint_every": 48, "log_every": 16, "sample_every": 48},
+        "sample": {"num": 8, "steps": 4, "solver": "euler"},
+    }
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values} if isinstance(values, dict) else values
+    return cfg
+
+
+def tiny_unet(run_dir, data_path, **sections):
+    return validate(tiny_unet_config(run_dir, data_path, **sections))

@@ -1,0 +1,52 @@
+"""Weights files: safetensors round trip, and no unpickling of anything we did not write."""
+
+import pickle
+
+import pytest
+import torch
+
+from islands.train.checkpoint import CheckpointError, load_weights, save_weights, write_checkpoint, list_checkpoints
+
+
+def test_safetensors_round_trip_keeps_values_and_dtypes(tmp_path):
+    state = {"w": torch.randn(3, 4), "b": torch.randn(4).to(torch.bfloat16), "n": torch.arange(5),
+             "view": torch.randn(4, 4)[:, 1]}  # a non-contiguous view
+    save_weights(state, tmp_path / "w.safetensors")
+    back = load_weights(tmp_path / "w.safetensors")
+    assert set(back) == set(state)
+    for k in state:
+        assert back[k].dtype == state[k].dtype and torch.equal(back[k], state[k]), k
+
+
+class Payload:
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(MARK),))
+
+
+MARK = ""
+
+
+def test_a_pickle_posing_as_weights_is_refused_without_running_it(tmp_path):
+    global MARK
+    MARK = str(tmp_path / "pwned")
+    fake = tmp_path / "model.safetensors"
+    fake.write_bytes(pickle.dumps({"w": Payload()}))
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_weights(fake)
+    assert not (tmp_path / "pwned").exists()
+    # torch.load in our code is only ever used with weights_only=True, which refuses it too
+    posing_as_state = tmp_path / "trainer.pt"
+    posing_as_state.write_bytes(fake.read_bytes())
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(posing_as_state, weights_only=True)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_checkpoints_are_whole_or_ignored_and_old_ones_are_pruned(tmp_path):
+    for images in (10, 20, 30):
+        write_checkpoint(tmp_path, images, {"model.safetensors": ("weights", {"w": torch.ones(2) * images})},
+                         {"progress": {"images": images}}, keep=2)
+    (tmp_path / "checkpoints" / "000000000040").mkdir()  # no marker: a write that died
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["000000000020", "000000000030"]

@@ -1,0 +1,170 @@
+"""The training loop: learning a known distribution, exact resume, accumulation, guards, EMA."""
+
+import pytest
+import torch
+
+from conftest import tiny_unet
+from islands.config import load_config
+from islands.data.gmm import GaussianMixture
+from islands.generate import generate, load_denoiser
+from islands.nets import build_network
+from islands.train import loop
+from islands.train.checkpoint import latest_checkpoint, list_checkpoints, load_weights, read_state
+from islands.train.ema import EMA
+from islands.train.logbook import read_metrics
+from islands.train.loop import TrainingStopped, train
+
+
+def test_mlp_learns_a_2d_mixture_with_the_right_mode_weights(tmp_path):
+    cfg = load_config("configs/gmm2d.yaml", [
+        f"run_dir={tmp_path / 'gmm'}", "data.means=[[2, 0], [0, 2], [-2, 0], [0, -2]]", "data.std=0.3",
+        "data.weights=[4, 3, 2, 1]", "train.images=160000", "train.batch_size=256", "train.lr=2e-3",
+        "train.checkpoint_every=160000", "train.log_every=40000"])
+    run_dir = train(cfg, progress=False)
+    denoiser, cfg, info = load_denoiser(run_dir)
+    x = generate(denoiser, (2,), 4000, cfg.sample, seed=11).double()
+    truth = GaussianMixture(cfg.data.means, cfg.data.std, cfg.data.weights)
+    nearest = torch.cdist(x, truth.means).min(1)
+    on_a_mode = (nearest.values < 4 * cfg.data.std).double().mean()
+    assert on_a_mode > 0.97, on_a_mode
+    mass = torch.bincount(nearest.indices, minlength=4).double() / len(x)
+    assert torch.allclose(mass, truth.weights, atol=0.03), (mass, truth.weights)
+    # the loss went down and the metrics log says so
+    losses = [r["loss"] for r in read_metrics(run_dir)]
+    assert losses[-1] < losses[0]
+
+
+def _weights(run_dir):
+    ckpt = latest_checkpoint(run_dir)
+    return load_weights(ckpt / "model.safetensors"), load_weights(ckpt / "ema.safetensors"), read_state(ckpt)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, image_npz, precision):
+    straight = train(tiny_unet(tmp_path / "straight", image_npz, train={"precision": precision}), progress=False)
+    # The interrupted run stops after its first checkpoint, leaves a half-written checkpoint behind,
+    # and is then rerun with the full length.
+    first = tiny_unet(tmp_path / "resumed", image_npz, train={"precision": precision, "images": 48})
+    train(first, progress=False)
+    broken = tmp_path / "resumed" / "checkpoints" / "000000000080"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"half written")
+    resumed = train(tiny_unet(tmp_path / "resumed", image_npz, train={"precision": precision}), progress=False)
+    (m1, e1, s1), (m2, e2, s2) = _weights(straight), _weights(resumed)
+    assert s1 == s2 and s1["progress"]["images"] == 96
+    for name in m1:
+        assert torch.equal(m1[name], m2[name]), name
+        assert torch.equal(e1[name], e2[name]), name
+    assert [p.name for p in list_checkpoints(resumed)] == ["000000000048", "000000000096"]
+
+
+def test_rerunning_a_finished_run_changes_nothing(tmp_path, image_npz):
+    cfg = tiny_unet(tmp_path / "run", image_npz, train={"images": 16})
+    run_dir = train(cfg, progress=False)
+    before = (latest_checkpoint(run_dir) / "model.safetensors").read_bytes()
+    train(cfg, progress=False)
+    assert (latest_checkpoint(run_dir) / "model.safetensors").read_bytes() == before
+
+
+def _relative_distance(a: dict, b: dict, origin: dict) -> float:
+    """||a - b|| / ||a - origin|| over all weights: how far apart two runs ended, per unit of travel."""
+    diff = sum(((a[k] - b[k]) ** 2).sum() for k in a).sqrt()
+    travel = sum(((a[k] - origin[k]) ** 2).sum() for k in a).sqrt()
+    return (diff / travel).item()
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, image_npz):
+    def run(name, **train_keys):
+        cfg = tiny_unet(tmp_path / name, image_npz, train={"images": 32, **train_keys}, model={"dropout": 0.0})
+        return cfg, _weights(train(cfg, progress=False))[0]
+
+    cfg, one = run("a1", accumulate=1)
+    _, four = run("a4", accumulate=4)
+    _, other_lr = run("lr", accumulate=1, lr=1e-3 * 1.01)
+    torch.manual_seed(cfg.seed)
+    init = build_network(cfg.model, (1, 8, 8), 4).state_dict()
+    # Adam normalises each gradient, so float summation order shows up at ~1e-3 of the distance travelled;
+    # a 1% change of learning rate, for comparison, moves it by far more.
+    assert _relative_distance(one, four, init) < 2e-3
+    assert _relative_distance(one, other_lr, init) > 5 * _relative_distance(one, four, init)
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops_keeping_the_last_good_checkpoint(
+        tmp_path, image_npz, monkeypatch):
+    real_loss = loop.training_loss
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        calls["n"] += 1  # 2 micro-batches per step: steps 7+ are poisoned, after the checkpoint at image 48
+        loss = real_loss(*args, **kwargs)
+        return loss * float("nan") if calls["n"] > 12 else loss
+
+    monkeypatch.setattr(loop, "training_loss", poisoned)
+    cfg = tiny_unet(tmp_path / "nan", image_npz, train={"max_nonfinite": 3})
+    with pytest.raises(TrainingStopped, match="3 steps in a row with non-finite.*000000000048"):
+        train(cfg, progress=False)
+    model, ema, state = _weights(tmp_path / "nan")
+    assert state["progress"]["images"] == 48 and state["progress"]["skipped"] == 0
+    assert all(torch.isfinite(t).all() for t in [*model.values(), *ema.values()])
+
+
+def test_one_skipped_step_is_counted_and_training_goes_on(tmp_path, image_npz, monkeypatch):
+    real_loss = loop.training_loss
+    calls = {"n": 0}
+
+    def one_bad_step(*args, **kwargs):
+        calls["n"] += 1
+        loss = real_loss(*args, **kwargs)
+        return loss * float("inf") if calls["n"] in (3, 4) else loss
+
+    monkeypatch.setattr(loop, "training_loss", one_bad_step)
+    run_dir = train(tiny_unet(tmp_path / "skip", image_npz), progress=False)
+    state = read_state(latest_checkpoint(run_dir))["progress"]
+    assert state["skipped"] == 1 and state["images"] == 96
+    assert read_metrics(run_dir)[-1]["skipped"] == 1
+
+
+def test_ema_follows_the_half_life_formula():
+    net = torch.nn.Linear(3, 1)
+    with torch.no_grad():
+        net.weight.zero_()
+        net.bias.zero_()
+    ema = EMA(net, halflife_images=100, rampup=None)
+    with torch.no_grad():
+        net.weight.fill_(1.0)
+    for _ in range(10):
+        ema.update(net, images_seen=10_000, batch=10)
+    # after 100 images with half-life 100, the average has moved half way to the constant weights
+    assert torch.allclose(ema.net.weight, torch.full((1, 3), 0.5), atol=1e-6)
+    ramped = EMA(net, halflife_images=100, rampup=0.05)
+    assert ramped.beta(images_seen=200, batch=10) == pytest.approx(0.5 ** (10 / 10))
+
+
+def test_activation_checkpointing_gives_the_same_gradients_and_keys(tmp_path, image_npz):
+    from islands.nets.unet import UNet
+    from islands.train.activation_checkpointing import checkpoint_blocks
+
+    torch.manual_seed(0)
+    plain = UNet(1, 8, channels=8, channel_mult=(1, 2), num_res_blocks=1, attention_resolutions=(4,))
+    wrapped = UNet(1, 8, channels=8, channel_mult=(1, 2), num_res_blocks=1, attention_resolutions=(4,))
+    wrapped.load_state_dict(plain.state_dict())
+    assert checkpoint_blocks(wrapped) == len(wrapped.blocks)
+    assert list(plain.state_dict()) == list(wrapped.state_dict())
+    x, t = torch.randn(4, 1, 8, 8), torch.rand(4)
+    for net in (plain, wrapped):
+        net(x, t).square().mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), wrapped.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name
+    # the wrapper really recomputes: forward hooks of a block run twice per step
+    calls = []
+    wrapped.blocks[0].register_forward_hook(lambda *a: calls.append(1))
+    wrapped(x, t).square().mean().backward()
+    assert len(calls) == 2
+
+
+def test_run_directory_holds_config_metrics_tensorboard_and_sample_grids(tmp_path, image_npz):
+    run_dir = train(tiny_unet(tmp_path / "files", image_npz), progress=False)
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "model.json").is_file()
+    assert [r["images"] for r in read_metrics(run_dir)] == [16, 32, 48, 64, 80, 96]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (run_dir / "samples").glob("*.png")) == ["000000000048.png", "000000000096.png"]
