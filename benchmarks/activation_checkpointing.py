@@ -13,7 +13,9 @@ A CPU has no torch.cuda.max_memory_allocated, so activation memory is measured t
    gradients freed. glibc's mmap threshold is pinned so that every large tensor gets its own mapping and
    goes back to the OS when freed: the RSS then follows live memory instead of the heap's high water.
 
-Step time is measured in this process, alternating the two variants.
+Step time is measured in this process, the two variants alternating step by step (A B A B ...): this
+2-core VM's speed jumps between two levels 1.5x apart every few seconds, so only steps taken back to back
+compare. We report the median step of each and the median ratio over the pairs.
 
     python -m benchmarks activation_checkpointing
 """
@@ -24,16 +26,17 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from benchmarks.common import BATCH, UNET, BareLoop, build_net, median, save, setup, table
+from benchmarks.common import BATCH, UNET, BareLoop, build_net, measure, median, save, setup, table
 from islands.train.activation_checkpointing import checkpoint_blocks
 
 PRECISION = "bf16"
 VARIANTS = ("plain", "checkpointed")
-ROUNDS, WARMUP, STEPS = 2, 3, 8  # step time: A B A B, each 3 warm-up steps then 8 timed
+WARMUP, STEPS = 3, 20  # step time: 3 warm-up steps of each variant, then 20 timed steps of each, alternating
 RSS_REPEATS = 3
 TARGET = 0.40  # at least 40% less activation memory
 MIB = 2**20
@@ -114,22 +117,20 @@ def child(variant: str) -> None:
 def peak_rss_growth(variant: str) -> int:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # fixed: no dynamic threshold growth
     out = subprocess.run([sys.executable, "-m", "benchmarks.activation_checkpointing", "--child", variant],
-                         env=env, capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(
-                             os.path.abspath(__file__))))
+                         env=env, cwd=Path(__file__).parent.parent, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_growth_bytes"]
 
 
 def step_seconds() -> dict:
+    """Seconds per training step of each variant, the two alternating step by step."""
+    loops = {v: make_loop(v) for v in VARIANTS}
     times = {v: [] for v in VARIANTS}
-    for _ in range(ROUNDS):
-        for variant in VARIANTS:
-            loop = make_loop(variant)
-            for _ in range(WARMUP):
-                loop.step()
+    for i in range(WARMUP + STEPS):
+        for variant, loop in loops.items():
             t0 = time.perf_counter()
-            for _ in range(STEPS):
-                loop.step()
-            times[variant].append((time.perf_counter() - t0) / STEPS)
+            loop.step()
+            if i >= WARMUP:
+                times[variant].append(time.perf_counter() - t0)
     return times
 
 
@@ -139,15 +140,16 @@ def run() -> dict:
     assert saved["checkpointed"]["block_inputs_saved"], "a checkpointed block's input was not saved for backward"
     peak = {v: peak_rss_growth(v) for v in VARIANTS}
     grad_diff = same_gradients()
-    times = step_seconds()
+    times, others = measure("step time", step_seconds)
     step = {v: median(times[v]) for v in VARIANTS}
+    step_ratio = median([c / p for p, c in zip(times["plain"], times["checkpointed"])])
 
-    def row(what, plain, ckpt, unit=MIB):
-        return [what, plain / unit, ckpt / unit, ckpt / plain, f"{1 - ckpt / plain:.0%}" if unit == MIB else ""]
+    def row(what, plain, ckpt):
+        return [what, plain / MIB, ckpt / MIB, ckpt / plain, f"{1 - ckpt / plain:.0%}"]
 
     rows = [row("saved for backward (MiB)", *(saved[v]["saved_bytes"] for v in VARIANTS)),
             row("peak RSS growth over a step (MiB)", *(peak[v] for v in VARIANTS)),
-            row("step time (ms)", *(step[v] for v in VARIANTS), unit=1e-3)]
+            ["step time (ms, median)", 1e3 * step["plain"], 1e3 * step["checkpointed"], step_ratio, ""]]
     print(table(["", "plain", "checkpointed", "ckpt / plain", "reduction"], rows))
     ck = saved["checkpointed"]
     print(f"checkpointed: {ck['saved_tensors']} tensors saved, {ck['saved_bytes'] / MIB:.1f} MiB, of which block "
@@ -158,10 +160,11 @@ def run() -> dict:
     met = min(reduction.values()) >= TARGET
     print(f"target >= {TARGET:.0%} less activation memory (both measures): {'met' if met else 'NOT met'}")
     result = {"settings": {"model": UNET, "batch": BATCH, "precision": PRECISION, "step": "bare loop step",
-                           "rounds": ROUNDS, "warmup_steps": WARMUP, "timed_steps": STEPS},
+                           "warmup_steps": WARMUP, "timed_steps": STEPS},
               "saved_for_backward": saved, "peak_rss_growth_bytes": peak, "step_seconds": times,
-              "step_seconds_median": step, "step_time_ratio": step["checkpointed"] / step["plain"],
-              "reduction": reduction, "max_grad_difference": grad_diff, "target": TARGET, "met": met}
+              "step_seconds_median": step, "step_time_ratio": step_ratio,
+              "reduction": reduction, "max_grad_difference": grad_diff, "target": TARGET, "met": met,
+              "others_cpu_share": others}
     save("activation_checkpointing", result)
     return result
 

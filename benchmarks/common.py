@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -26,33 +27,59 @@ UNET = dict(arch="unet", num_classes=10, channels=32, channel_mult=[1, 2, 2], nu
 DIT = dict(arch="dit", num_classes=10, patch_size=2, hidden_size=192, depth=6, num_heads=3)
 
 
-_BUSY = None
-
-
-def other_load(seconds: float = 1.0) -> float:
-    """Share of all CPU time used during `seconds` while this process sleeps: what others take from us."""
-    def ticks():
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
-    try:
-        total0, idle0 = ticks()
-        time.sleep(seconds)
-        total1, idle1 = ticks()
-    except OSError:
-        return float("nan")
-    return 1 - (idle1 - idle0) / max(total1 - total0, 1)
+BUSY = 0.10  # share of the CPUs other processes may take while we measure; above it, we measure again
+WAIT_MAX = 600  # seconds to wait for a busy machine to go quiet before measuring anyway
 
 
 def setup() -> None:
-    """Pin the threads, and warn when something else is running: 2 busy threads on 2 shared cores crawl."""
-    global _BUSY
     torch.set_num_threads(THREADS)
     # Islands' train() turns flush-to-zero on for the process and leaves it on; the bare loop gets it too,
     # so that its speed does not depend on whether an Islands run came first.
     torch.set_flush_denormal(True)
-    _BUSY = other_load()
-    if _BUSY > 0.1:
-        print(f"WARNING: other processes use {_BUSY:.0%} of the CPUs; these figures will be unreliable")
+
+
+def cpu_seconds() -> tuple[float, float, float]:
+    """(CPU seconds used by every process, by this one and its children, wall-clock seconds)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    t = os.times()
+    return busy, t.user + t.system + t.children_user + t.children_system, time.perf_counter()
+
+
+def others_share(since: tuple[float, float, float]) -> float:
+    """Share of the machine's CPU time that other processes used since `since` (a cpu_seconds())."""
+    (b0, s0, w0), (b1, s1, w1) = since, cpu_seconds()
+    return max(0.0, (b1 - b0 - (s1 - s0)) / ((w1 - w0) * os.cpu_count()))
+
+
+def wait_until_quiet() -> None:
+    start, said = time.perf_counter(), False
+    while time.perf_counter() - start < WAIT_MAX:
+        since = cpu_seconds()
+        time.sleep(1.0)
+        if others_share(since) <= BUSY:
+            return
+        if not said:
+            print(f"  waiting for other processes to go quiet (at most {WAIT_MAX} s)", flush=True)
+            said = True
+    print("  the machine stayed busy; measuring anyway", flush=True)
+
+
+def measure(label: str, fn, tries: int = 3):
+    """fn() on a quiet machine -> (its result, the share of the CPUs others took while it ran).
+
+    With 2 threads on 2 cores, one busy core elsewhere slows a step down tenfold or more, so a run that
+    others disturbed is thrown away and done again (the last try is kept, with its share, if all were).
+    """
+    for _ in range(tries):
+        wait_until_quiet()
+        since = cpu_seconds()
+        out = fn()
+        others = others_share(since)
+        if others <= BUSY:
+            break
+        print(f"  {label}: other processes took {others:.0%} of the CPUs meanwhile; measuring again", flush=True)
+    return out, others
 
 
 def machine() -> dict:
@@ -66,11 +93,13 @@ def machine() -> dict:
                 flags = line
     except OSError:
         pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "avx512_bf16": "avx512_bf16" in flags,
-            "torch": torch.__version__, "python": platform.python_version(), "other_load_at_start": _BUSY}
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "bf16_flags": [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()],
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "python": platform.python_version()}
 
 
-def islands_config(run_dir, model: dict, precision: str, images: int, log_every: int, **train):
+def islands_config(run_dir, model: dict, precision: str, images: int, log_every: int):
     """An Islands run matching the bare loop: uniform t, rectified flow, velocity, AdamW, clip 1, no EMA.
 
     Checkpoints and the sample grid come only at the very end, after the last log window closes, and
@@ -83,19 +112,15 @@ def islands_config(run_dir, model: dict, precision: str, images: int, log_every:
         "flow": {"path": "rectified_flow", "prediction": "velocity", "time_sampler": "uniform"},
         "train": {"images": images, "batch_size": BATCH, "lr": LR, "grad_clip": 1.0, "precision": precision,
                   "ema_halflife_images": 0, "log_every": log_every, "checkpoint_every": 10 * images,
-                  "keep_checkpoints": 1, "threads": THREADS, **train},
+                  "keep_checkpoints": 1, "threads": THREADS},
         "sample": {"num": 4, "steps": 1, "solver": "euler"},
     })
 
 
-def windows_throughput(records: list[dict], skip: int = 1) -> float:
-    """Images/s over the log windows after the first `skip` (warm-up): their images over their seconds."""
-    starts = [0] + [r["images"] for r in records[:-1]]
-    later = list(zip(starts, records))[skip:]
-    assert later, "run too short: no log window after the warm-up"
-    images = sum(r["images"] - s for s, r in later)
-    seconds = sum((r["images"] - s) / r["images_per_s"] for s, r in later)
-    return images / seconds
+def window_rates(records: list[dict], skip: int = 1) -> list[float]:
+    """Images/s of each log window of an Islands run, but the first `skip` (warm-up)."""
+    assert len(records) > skip, "run too short: no log window after the warm-up"
+    return [r["images_per_s"] for r in records[skip:]]
 
 
 _MNIST = None
@@ -153,14 +178,6 @@ class BareLoop:
         self.loss().backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
-
-    def images_per_s(self, warmup: int, steps: int) -> float:
-        for _ in range(warmup):
-            self.step()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            self.step()
-        return steps * self.batch / (time.perf_counter() - t0)
 
 
 def median(xs):
