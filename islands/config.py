@@ -160,6 +160,12 @@ class SampleConfig(Section):
     batch_size: int = Field(256, gt=0)
 
 
+class ParallelConfig(Section):
+    strategy: Literal["none", "ddp"] = "none"
+    timeout_s: float = Field(600.0, gt=0)  # a collective that waits longer fails every rank
+    compression: Literal["none", "fp16", "bf16"] = "none"  # gradient all-reduce precision (ddp)
+
+
 class Config(Section):
     run_dir: str
     seed: int = 0
@@ -168,12 +174,13 @@ class Config(Section):
     flow: FlowConfig = FlowConfig()
     train: TrainConfig = TrainConfig()
     sample: SampleConfig = SampleConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
 
 # Keys that may change when a run is resumed: they do not alter the trajectory already taken.
 RESUMABLE_CHANGES = {
     "run_dir", "train.images", "train.checkpoint_every", "train.keep_checkpoints", "train.sample_every",
-    "train.log_every", "train.max_nonfinite", "train.threads", "data.workers", "sample",
+    "train.log_every", "train.max_nonfinite", "train.threads", "data.workers", "sample", "parallel",
 }
 
 

@@ -26,6 +26,8 @@ from islands.flow.timesteps import TimeSampler
 from islands.generate import generate, sample_labels
 from islands.images import save_samples_picture
 from islands.nets import build_network
+from islands.parallel.launch import World, close_world, init_world
+from islands.parallel.strategies import build_strategy
 from islands.train.activation_checkpointing import checkpoint_blocks
 from islands.train.checkpoint import latest_checkpoint, load_weights, read_state, read_trainer, write_checkpoint
 from islands.train.ema import EMA
@@ -75,8 +77,8 @@ def crossed(before: int, after: int, every: int) -> bool:
     return every > 0 and after // every > before // every
 
 
-def prepare_run_dir(cfg: Config) -> Path:
-    """Create the run directory, or check that the one there holds this same run."""
+def prepare_run_dir(cfg: Config, write: bool = True) -> Path:
+    """Create the run directory, or check that the one there holds this same run (every rank checks)."""
     run_dir = Path(cfg.run_dir)
     resolved = to_dict(cfg)
     config_file = run_dir / "config.yaml"
@@ -84,6 +86,8 @@ def prepare_run_dir(cfg: Config) -> Path:
         changes = trajectory_changes(yaml.safe_load(config_file.read_text()), resolved)
         if changes:
             raise ConfigError(f"{run_dir} holds a run with another config ({changes[0]}); use a new run_dir")
+    if not write:
+        return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / ".config.yaml.tmp"
     tmp.write_text(yaml.safe_dump(resolved, sort_keys=False))
@@ -99,25 +103,43 @@ def autocast(cfg: Config, device: torch.device):
 
 
 def train(cfg: Config, progress: bool = True) -> Path:
-    """Train (or resume) the run that `cfg` describes and return its directory."""
+    """Train (or resume) the run that `cfg` describes and return its directory.
+
+    Under torchrun every rank calls this; rank 0 alone writes files.
+    """
+    world = init_world(cfg.parallel.timeout_s)
+    try:
+        return _train(cfg, world, progress and world.is_main)
+    finally:
+        close_world()
+
+
+def _train(cfg: Config, world: World, progress: bool) -> Path:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     # Adam's second moments of rarely-used weights decay into denormal floats, which are ~100x slower on CPUs.
     torch.set_flush_denormal(True)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    run_dir = prepare_run_dir(cfg)
-    torch.manual_seed(cfg.seed)  # initial weights; all later randomness is keyed per example
+    if cfg.train.batch_size % (world.size * cfg.train.accumulate):
+        raise ConfigError(f"train.batch_size: {cfg.train.batch_size} is not divisible by "
+                          f"{world.size} ranks x accumulate={cfg.train.accumulate}")
+    strategy = build_strategy(cfg.parallel.strategy, world, cfg.parallel.compression)
+    device, main = world.device, world.is_main
+    run_dir = prepare_run_dir(cfg, write=main)
+    strategy.barrier()
+    torch.manual_seed(cfg.seed)  # initial weights, the same on every rank; later randomness is keyed per example
 
     source = build_data(cfg.data, cfg.seed)  # a corrupt file is reported, by name, when a batch reaches it
     shape, num_classes = tuple(source.shape), cfg.model.num_classes
     if num_classes and num_classes != source.num_classes:
         raise ConfigError(f"model.num_classes: {num_classes} does not match the data's {source.num_classes} classes")
-    (run_dir / "model.json").write_text(json.dumps({"shape": list(shape), "num_classes": num_classes}))
+    if main:
+        (run_dir / "model.json").write_text(json.dumps({"shape": list(shape), "num_classes": num_classes}))
 
     net = build_network(cfg.model, shape, num_classes).to(device)
     ema = EMA(net, cfg.train.ema_halflife_images, cfg.train.ema_rampup) if cfg.train.ema_halflife_images else None
     if cfg.train.activation_checkpointing:
         checkpoint_blocks(net)
+    model = strategy.wrap(net)  # what the loop calls; `net` stays the plain module for weights
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
                             weight_decay=cfg.train.weight_decay)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, enabled=cfg.train.precision == "fp16")
@@ -156,13 +178,13 @@ def train(cfg: Config, progress: bool = True) -> Path:
         save_samples_picture(x, run_dir / "samples" / f"{state.images:012d}.png", reference, f"{state.images} images")
         net.train()
 
-    loader = iter(stream_loader(source, cfg.train.batch_size, cfg.seed, start=state.images,
-                                workers=cfg.data.workers, flip=cfg.data.flip))
-    logbook = Logbook(run_dir)
+    loader = iter(stream_loader(source, cfg.train.batch_size, cfg.seed, start=state.images, rank=world.rank,
+                                world=world.size, workers=cfg.data.workers, flip=cfg.data.flip))
+    logbook = Logbook(run_dir) if main else None
     run_length = math.ceil(cfg.train.images / cfg.train.batch_size) * cfg.train.batch_size  # whole batches
     bar = tqdm(total=run_length, initial=state.images, unit="img", disable=not progress, dynamic_ncols=True)
     params = [p for p in net.parameters() if p.requires_grad]
-    window = {"loss": 0.0, "grad_norm": 0.0, "steps": 0, "images": 0, "start": time.perf_counter()}
+    window = new_window()
     batch = cfg.train.batch_size
     net.train()
     try:
@@ -174,18 +196,23 @@ def train(cfg: Config, progress: bool = True) -> Path:
 
             opt.zero_grad(set_to_none=True)
             loss_sum = torch.zeros((), device=device)
-            for xs, ys, ps in zip(x.chunk(cfg.train.accumulate), labels.chunk(cfg.train.accumulate),
-                                  positions.chunk(cfg.train.accumulate)):
-                with autocast(cfg, device):
-                    loss = objective(net, xs, ys, ps).mean()
-                scaler.scale(loss / cfg.train.accumulate).backward()
+            micro = list(zip(x.chunk(cfg.train.accumulate), labels.chunk(cfg.train.accumulate),
+                             positions.chunk(cfg.train.accumulate)))
+            for i, (xs, ys, ps) in enumerate(micro):
+                # Gradients are synchronised once per optimizer step, on the last micro-batch.
+                sync = contextlib.nullcontext() if i == len(micro) - 1 else strategy.no_sync(model)
+                with sync:
+                    with autocast(cfg, device):
+                        loss = objective(model, xs, ys, ps).mean()
+                    scaler.scale(loss / cfg.train.accumulate).backward()
                 loss_sum += loss.detach() / cfg.train.accumulate
             scaler.unscale_(opt)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or math.inf)
             before = state.images
             state.images += batch
             state.step += 1
-            if torch.isfinite(loss_sum) and torch.isfinite(grad_norm):
+            window["comm_bytes"] += sum(strategy.ledger.close_step().values())
+            if strategy.all_finite(bool(torch.isfinite(loss_sum) and torch.isfinite(grad_norm))):
                 scaler.step(opt)
                 scaler.update()
                 if ema is not None:
@@ -204,26 +231,45 @@ def train(cfg: Config, progress: bool = True) -> Path:
                         f"stopped after {state.nonfinite_in_a_row} steps in a row with non-finite loss or gradients "
                         f"(image {state.images}); last good checkpoint: {last or 'none'}")
             window["images"] += batch
+            window["steps_all"] += 1
             bar.update(batch)
 
             done = state.images >= cfg.train.images
             if crossed(before, state.images, cfg.train.log_every) or done:
                 seconds = time.perf_counter() - window["start"]
                 steps = max(window["steps"], 1)
-                record = {"images": state.images, "step": state.step, "loss": window["loss"] / steps,
+                comm_per_step = window["comm_bytes"] / max(window["steps_all"], 1)
+                loss_mean, comm_per_step = strategy.mean([window["loss"] / steps, comm_per_step])
+                record = {"images": state.images, "step": state.step, "loss": loss_mean,
                           "grad_norm": window["grad_norm"] / steps, "lr": opt.param_groups[0]["lr"],
                           "images_per_s": window["images"] / seconds, "skipped": state.skipped}
-                logbook.write(record)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
-                window = {"loss": 0.0, "grad_norm": 0.0, "steps": 0, "images": 0, "start": time.perf_counter()}
+                if world.distributed:
+                    record["comm_bytes_per_step_per_rank"] = comm_per_step
+                if main:
+                    logbook.write(record)
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
+                window = new_window()
             if crossed(before, state.images, cfg.train.checkpoint_every) or done:
-                save_checkpoint()
-            if crossed(before, state.images, cfg.train.sample_every) or done:
+                if main:
+                    save_checkpoint()
+                strategy.check_consistency(net)
+                strategy.barrier()
+            if main and (crossed(before, state.images, cfg.train.sample_every) or done):
                 save_samples()
     finally:
         bar.close()
-        logbook.close()
+        if logbook is not None:
+            logbook.close()
+    if main and world.distributed:
+        summary = strategy.ledger.summary()
+        (run_dir / "communication.json").write_text(json.dumps(summary, indent=1))
     return run_dir
+
+
+def new_window() -> dict:
+    """Sums over the steps since the last log line."""
+    return {"loss": 0.0, "grad_norm": 0.0, "steps": 0, "steps_all": 0, "images": 0, "comm_bytes": 0.0,
+            "start": time.perf_counter()}
 
 
 def run_summary(run_dir: Path) -> str:
