@@ -1,0 +1,65 @@
+"""Process-group start-up: the only place that decides backend, device and timeouts.
+
+Run under torchrun, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Without
+them the run is a single process and nothing is initialised.
+"""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def _store(rank: int, size: int, timeout: timedelta) -> dist.Store:
+    """The rendezvous store, prefixed per restart attempt.
+
+    After a torchrun restart the keys of the failed attempt are still in the store; gloo then tries to
+    connect to dead peers. A prefix keyed on TORCHELASTIC_RESTART_COUNT gives each attempt a clean view.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(host, port, size, is_master=(rank == 0 and not agent_hosts_store), timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"islands/attempt_{attempt}", store)
+
+
+def init_world(timeout_s: float = 600.0) -> World:
+    """Join the process group torchrun prepared (NCCL on GPUs, gloo on CPUs), or stay single."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if size == 1:
+        return World(device=device)
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=_store(rank, size, timeout), rank=rank, world_size=size,
+                                timeout=timeout)
+    return World(rank=rank, size=size, local_rank=local_rank, device=device)
+
+
+def close_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,41 @@
+"""The communication ledger: bytes each rank sends, per collective, per optimizer step.
+
+Bytes are counted where the collective is issued, from the payload size and the algorithm's
+per-rank traffic: a ring all-reduce of n bytes over W ranks sends 2 (W - 1) / W * n bytes from each
+rank (reduce-scatter then all-gather); a reduce-scatter or an all-gather of a full tensor of n bytes
+sends (W - 1) / W * n.
+"""
+
+from collections import defaultdict
+
+RING_FACTOR = {"all_reduce": lambda w: 2 * (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w,
+               "all_gather": lambda w: (w - 1) / w}
+
+
+def bytes_sent(collective: str, payload_bytes: int, world: int) -> float:
+    """Bytes one rank sends for one ring collective over a payload of `payload_bytes`."""
+    return RING_FACTOR[collective](world) * payload_bytes
+
+
+class Ledger:
+    def __init__(self, world: int):
+        self.world = world
+        self.step = defaultdict(float)  # this optimizer step, by collective
+        self.total = defaultdict(float)  # the whole run (this process)
+        self.steps = 0
+
+    def record(self, collective: str, payload_bytes: int) -> None:
+        self.step[collective] += bytes_sent(collective, payload_bytes, self.world)
+
+    def close_step(self) -> dict:
+        """Bytes sent during the step that just ended, by collective; starts the next step."""
+        done = {f"comm_{k}_bytes": v for k, v in self.step.items()}
+        for k, v in self.step.items():
+            self.total[k] += v
+        self.steps += 1
+        self.step = defaultdict(float)
+        return done
+
+    def summary(self) -> dict:
+        per_step = {k: v / max(self.steps, 1) for k, v in self.total.items()}
+        return {"steps": self.steps, "bytes_per_step": per_step, "total_bytes": dict(self.total)}
