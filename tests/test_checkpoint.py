@@ -32,7 +32,7 @@ def test_a_pickle_posing_as_weights_is_refused_without_running_it(tmp_path):
     global MARK
     MARK = str(tmp_path / "pwned")
     fake = tmp_path / "model.safetensors"
-    fake.write_bytes(pickle.dumps({"w": Payload()}))
+    fake.write_bytes(pickle.dumps({"w": Payload()}, protocol=2))
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_weights(fake)
     assert not (tmp_path / "pwned").exists()

@@ -3,11 +3,14 @@
 Every check compares what the ranks wrote against a single-process reference run of the same config.
 """
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -81,3 +84,68 @@ def test_ddp_on_two_ranks_follows_the_single_process_trajectory(tmp_path, refere
         assert record["comm_bytes_per_step_per_rank"] == pytest.approx(bytes_sent("all_reduce", grad_bytes, 2))
     summary = json.loads((tmp_path / f"ddp{accumulate}" / "communication.json").read_text())
     assert summary["steps"] == 20
+
+
+@pytest.mark.parametrize("wire,ratio", [("bf16", 0.5), ("fp16", 0.5)])
+def test_ddp_gradient_compression_halves_the_traffic_and_stays_on_course(tmp_path, reference, wire, ratio):
+    cfg, single = reference
+    cfg = {**cfg, "run_dir": str(tmp_path / wire)}
+    result = torchrun(2, cfg, tmp_path, "parallel.strategy=ddp", f"parallel.compression={wire}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    grad_bytes = 4 * sum(t.numel() for t in single.values())
+    for record in read_metrics(cfg["run_dir"]):
+        assert record["comm_bytes_per_step_per_rank"] == pytest.approx(ratio * bytes_sent("all_reduce", grad_bytes, 2))
+    # 16-bit gradients change the trajectory a little, not a lot
+    assert 1e-7 < relative_difference(single, final_weights(cfg["run_dir"])) < 2e-2
+
+
+def _workers(agent_pid: int) -> dict[int, int]:
+    """RANK -> pid of the worker processes torchrun started."""
+    ranks = {}
+    for child in open(f"/proc/{agent_pid}/task/{agent_pid}/children").read().split():
+        env = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
+        rank = [e for e in env if e.startswith(b"RANK=")]
+        if rank:
+            ranks[int(rank[0][5:])] = int(child)
+    return ranks
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def test_a_hung_rank_makes_the_other_fail_within_the_timeout(tmp_path):
+    cfg = mlp_config(tmp_path / "hang")
+    cfg["train"].update(images=10**7, log_every=64, checkpoint_every=10**6)
+    cfg["parallel"] = {"strategy": "ddp", "timeout_s": 8}
+    path = tmp_path / "hang.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "islands", "train", str(path), "--quiet"]
+    agent = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = {}
+    try:
+        metrics = tmp_path / "hang" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert time.monotonic() < deadline and agent.poll() is None, "training never started"
+            time.sleep(0.2)
+        workers = _workers(agent.pid)
+        os.kill(workers[1], signal.SIGSTOP)  # rank 1 hangs: alive, silent
+        stopped = time.monotonic()
+        while _alive(workers[0]):
+            assert time.monotonic() - stopped < 8 + 20, "rank 0 still waiting long after the timeout"
+            time.sleep(0.2)
+        print(f"rank 0 exited {time.monotonic() - stopped:.1f} s after rank 1 hung (timeout 8 s)")
+        os.kill(workers[1], signal.SIGKILL)  # spare torchrun its 30 s grace period for a stopped process
+        assert agent.wait(timeout=90) != 0
+    finally:
+        for pid in workers.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if agent.poll() is None:
+            agent.kill()
