@@ -4,6 +4,7 @@ Every check compares what the ranks wrote against a single-process reference run
 """
 
 import contextlib
+import datetime
 import json
 import os
 import signal
@@ -16,11 +17,11 @@ import pytest
 import torch
 import yaml
 
+from islands.config import validate
 from islands.parallel.ledger import bytes_sent
 from islands.train.checkpoint import latest_checkpoint, load_weights
 from islands.train.logbook import read_metrics
 from islands.train.loop import train
-from islands.config import validate
 
 TIMEOUT_S = 240
 
@@ -149,3 +150,78 @@ def test_a_hung_rank_makes_the_other_fail_within_the_timeout(tmp_path):
                 os.kill(pid, signal.SIGKILL)
         if agent.poll() is None:
             agent.kill()
+
+
+def test_torchrun_restart_after_a_killed_rank_resumes_from_the_last_checkpoint(tmp_path):
+    """--max-restarts=1: a rank is killed after the first checkpoint; the second attempt (its own store
+    prefix) resumes there and ends bit-identical to a 2-rank run that was never interrupted."""
+    def config(name):
+        cfg = mlp_config(tmp_path / name)
+        cfg["train"].update(images=16000, checkpoint_every=4000, log_every=2000)
+        cfg["parallel"] = {"strategy": "ddp", "timeout_s": 20}
+        return cfg
+
+    straight = config("straight")
+    assert torchrun(2, straight, tmp_path).returncode == 0
+    restarted = config("restarted")
+    path = tmp_path / "restarted.yaml"
+    path.write_text(yaml.safe_dump(restarted))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "islands", "train", str(path), "--quiet"]
+    agent = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while latest_checkpoint(restarted["run_dir"]) is None:
+            assert time.monotonic() < deadline and agent.poll() is None, "no checkpoint before the kill"
+            time.sleep(0.05)
+        killed_at = int(latest_checkpoint(restarted["run_dir"]).name)
+        os.kill(_workers(agent.pid)[1], signal.SIGKILL)
+        _, err = agent.communicate(timeout=TIMEOUT_S)
+        assert agent.returncode == 0, err[-3000:]
+        assert "exitcode: -9" in err  # the first attempt did lose a rank; the second finished
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert killed_at < 16000
+    a, b = final_weights(straight["run_dir"]), final_weights(restarted["run_dir"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _check_two_ranks(rank: int, port: int, perturb: bool, out: str) -> None:
+    import torch.distributed as dist
+
+    from islands.parallel.launch import World
+    from islands.parallel.strategies import DDPStrategy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    if perturb and rank == 1:
+        with torch.no_grad():
+            net[1].bias[0] += 1e-6
+    try:
+        DDPStrategy(World(rank=rank, size=2)).check_consistency(net)
+        message = "consistent"
+    except RuntimeError as err:
+        message = str(err)
+    open(f"{out}.{rank}", "w").write(message)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("perturb", [False, True])
+def test_consistency_check_names_the_parameter_that_differs(tmp_path, perturb):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "verdict")
+    ctx = mp.spawn(_check_two_ranks, args=(free_port(), perturb, out), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        assert time.monotonic() < deadline, "ranks hung"
+    verdicts = [open(f"{out}.{r}").read() for r in range(2)]
+    if perturb:
+        assert all("ranks hold different weights" in v and "1.bias" in v and "0.weight" not in v for v in verdicts)
+    else:
+        assert verdicts == ["consistent", "consistent"]
