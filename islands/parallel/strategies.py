@@ -29,9 +29,6 @@ class Strategy:
     def wrap(self, net: nn.Module) -> nn.Module:
         return net
 
-    def unwrap(self, net: nn.Module) -> nn.Module:
-        return net
-
     def no_sync(self, net: nn.Module):
         return contextlib.nullcontext()
 
@@ -58,9 +55,6 @@ class DDPStrategy(Strategy):
         ddp = DistributedDataParallel(net, device_ids=device_ids)
         ddp.register_comm_hook(self, _averaging_hook(self.compression))
         return ddp
-
-    def unwrap(self, net: nn.Module) -> nn.Module:
-        return net.module
 
     def no_sync(self, net: nn.Module):
         return net.no_sync()
