@@ -161,9 +161,9 @@ class SampleConfig(Section):
 
 
 class ParallelConfig(Section):
-    strategy: Literal["none", "ddp"] = "none"
+    strategy: Literal["none", "ddp", "zero1", "zero2", "fsdp"] = "none"
     timeout_s: float = Field(600.0, gt=0)  # a collective that waits longer fails every rank
-    compression: Literal["none", "fp16", "bf16"] = "none"  # gradient all-reduce precision (ddp)
+    compression: Literal["none", "fp16", "bf16"] = "none"  # precision of gradient reduction on the wire
 
 
 class Config(Section):
@@ -178,8 +178,10 @@ class Config(Section):
 
 
 # Keys that may change when a run is resumed: they do not alter the trajectory already taken.
+# Keys a resume may change: they alter how long, how often, on how many ranks and in how many micro-batches,
+# not what is computed (accumulate only reorders float sums, which lets a run move to fewer devices).
 RESUMABLE_CHANGES = {
-    "run_dir", "train.images", "train.checkpoint_every", "train.keep_checkpoints", "train.sample_every",
+    "run_dir", "train.images", "train.accumulate", "train.checkpoint_every", "train.keep_checkpoints", "train.sample_every",
     "train.log_every", "train.max_nonfinite", "train.threads", "data.workers", "sample", "parallel",
 }
 

@@ -37,10 +37,19 @@ def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser,
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint yet")
-    net = build_network(cfg.model, tuple(info["shape"]), info["num_classes"])
     weights = ckpt / "ema.safetensors" if use_ema and (ckpt / "ema.safetensors").exists() else ckpt / "model.safetensors"
-    net.load_state_dict(load_weights(weights))
-    return NetworkDenoiser(net.eval(), cfg.flow.path, cfg.flow.prediction), cfg, info
+    net = network_with_weights(cfg.model, tuple(info["shape"]), info["num_classes"], load_weights(weights))
+    return NetworkDenoiser(net, cfg.flow.path, cfg.flow.prediction), cfg, info
+
+
+def network_with_weights(model_cfg, shape: tuple, num_classes: int, weights: dict, device="cpu") -> torch.nn.Module:
+    """The network built without initialising it (no time spent, no global random numbers drawn), holding
+    `weights`, in eval mode."""
+    with torch.device("meta"):
+        net = build_network(model_cfg, shape, num_classes)
+    net = net.to_empty(device=device)
+    net.load_state_dict(weights)
+    return net.eval()
 
 
 def sample_labels(num: int, num_classes: int, class_label: int | None = None) -> torch.Tensor | None:

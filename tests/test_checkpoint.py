@@ -5,7 +5,8 @@ import pickle
 import pytest
 import torch
 
-from islands.train.checkpoint import CheckpointError, load_weights, save_weights, write_checkpoint, list_checkpoints
+from islands.train.checkpoint import (CheckpointError, list_checkpoints, load_weights, read_sharded, save_weights,
+                                      write_checkpoint)
 
 
 def test_safetensors_round_trip_keeps_values_and_dtypes(tmp_path):
@@ -46,7 +47,24 @@ def test_a_pickle_posing_as_weights_is_refused_without_running_it(tmp_path):
 
 def test_checkpoints_are_whole_or_ignored_and_old_ones_are_pruned(tmp_path):
     for images in (10, 20, 30):
-        write_checkpoint(tmp_path, images, {"model.safetensors": ("weights", {"w": torch.ones(2) * images})},
+        write_checkpoint(tmp_path, images, {"model": {"w": torch.ones(2) * images}},
+                         {"model.safetensors": {"w": torch.ones(2) * images}}, {"rng": torch.get_rng_state()},
                          {"progress": {"images": images}}, keep=2)
     (tmp_path / "checkpoints" / "000000000040").mkdir()  # no marker: a write that died
     assert [p.name for p in list_checkpoints(tmp_path)] == ["000000000020", "000000000030"]
+
+
+def test_sharded_state_round_trips_and_a_pickle_in_its_metadata_is_refused_without_running_it(tmp_path):
+    global MARK
+    held = {"model": {"w": torch.randn(3, 4)}, "optim": {"w": {"step": torch.tensor(7.0), "exp_avg": torch.randn(3, 4)}}}
+    ckpt = write_checkpoint(tmp_path, 10, held, {}, {}, {}, keep=1)
+    back = {"model": {"w": torch.zeros(3, 4)}, "optim": {"w": {"step": torch.tensor(0.0), "exp_avg": torch.zeros(3, 4)}}}
+    read_sharded(ckpt, back)
+    assert torch.equal(back["model"]["w"], held["model"]["w"]) and back["optim"]["w"]["step"] == 7
+    assert torch.equal(back["optim"]["w"]["exp_avg"], held["optim"]["w"]["exp_avg"])
+
+    MARK = str(tmp_path / "pwned")
+    (ckpt / "sharded" / ".metadata").write_bytes(pickle.dumps(Payload(), protocol=2))
+    with pytest.raises(CheckpointError, match="metadata refers to .*getattr"):
+        read_sharded(ckpt, back)
+    assert not (tmp_path / "pwned").exists()

@@ -18,8 +18,9 @@ import torch
 import yaml
 
 from islands.config import validate
+from islands.nets import build_network
 from islands.parallel.ledger import bytes_sent
-from islands.train.checkpoint import latest_checkpoint, load_weights
+from islands.train.checkpoint import latest_checkpoint, list_checkpoints, load_weights, read_state
 from islands.train.logbook import read_metrics
 from islands.train.loop import train
 
@@ -72,19 +73,107 @@ def reference(tmp_path):
     return cfg, final_weights(run_dir)
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_ddp_on_two_ranks_follows_the_single_process_trajectory(tmp_path, reference, accumulate):
+def predicted_bytes(strategy: str, accumulate: int, cfg: dict, world: int = 2) -> dict:
+    """Bytes per optimizer step per rank, by collective, from the parameter sizes and the ring algorithm.
+
+    FSDP shards every parameter along dim 0, padded to a multiple of the world size; a block is gathered
+    in forward and again in backward (fsdp) or once per micro-batch (zero2), the root once, and every
+    unit's gradients are reduce-scattered once per step."""
+    net = build_network(validate(cfg).model, (2,), 3)
+    plain = 4 * sum(p.numel() for p in net.parameters())
+    if strategy in ("ddp", "zero1"):
+        sent = {"all_reduce": bytes_sent("all_reduce", plain, world)}
+        if strategy == "zero1":
+            sent["broadcast"] = bytes_sent("broadcast", plain, world)
+        return sent
+
+    def padded(params):
+        return 4 * sum(-(-p.shape[0] // world) * world * p[0].numel() for p in params)
+
+    blocks = padded([p for b in net.blocks for p in b.parameters()])
+    everything = padded([p for n, p in net.named_parameters() if not n.startswith("blocks.")]) + blocks
+    gathered = everything + (blocks if strategy == "fsdp" else 0)
+    return {"all_gather": bytes_sent("all_gather", accumulate * gathered, world),
+            "reduce_scatter": bytes_sent("reduce_scatter", everything, world)}
+
+
+@pytest.mark.parametrize("strategy,accumulate,checkpointing", [
+    ("ddp", 1, False), ("ddp", 2, False), ("zero1", 2, True), ("zero2", 1, False), ("zero2", 2, True),
+    ("fsdp", 1, False), ("fsdp", 2, True)])
+def test_every_strategy_on_two_ranks_follows_the_single_process_trajectory(
+        tmp_path, reference, strategy, accumulate, checkpointing):
     cfg, single = reference
-    cfg = {**cfg, "run_dir": str(tmp_path / f"ddp{accumulate}")}
-    result = torchrun(2, cfg, tmp_path, "parallel.strategy=ddp", f"train.accumulate={accumulate}")
+    cfg = {**cfg, "run_dir": str(tmp_path / strategy)}
+    result = torchrun(2, cfg, tmp_path, f"parallel.strategy={strategy}", f"train.accumulate={accumulate}",
+                      f"train.activation_checkpointing={str(checkpointing).lower()}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert relative_difference(single, final_weights(cfg["run_dir"])) < 1e-5
-    # The ledger: one ring all-reduce of every fp32 gradient per optimizer step.
-    grad_bytes = 4 * sum(t.numel() for t in single.values())
-    for record in read_metrics(cfg["run_dir"]):
-        assert record["comm_bytes_per_step_per_rank"] == pytest.approx(bytes_sent("all_reduce", grad_bytes, 2))
-    summary = json.loads((tmp_path / f"ddp{accumulate}" / "communication.json").read_text())
+    # The ledger: what each rank sent per optimizer step equals the prediction, collective by collective.
+    summary = json.loads((tmp_path / strategy / "communication.json").read_text())
+    predicted = predicted_bytes(strategy, accumulate, cfg)
     assert summary["steps"] == 20
+    assert summary["bytes_per_step"] == pytest.approx(predicted)
+    for record in read_metrics(cfg["run_dir"]):
+        assert record["comm_bytes_per_step_per_rank"] == pytest.approx(sum(predicted.values()))
+
+
+def exact_config(run_dir, **train_keys) -> dict:
+    """mlp_config without gradient clipping, whose norm a sharded run sums in another order.
+
+    Then 2 ranks with 16 examples each compute bit for bit what 1 process computes with 2 micro-batches
+    of 16: the same per-micro-batch gradients, halved (exact in floating point) and added (commutative)."""
+    cfg = mlp_config(run_dir)
+    cfg["train"].update(grad_clip=0.0, **train_keys)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def exact_reference(tmp_path_factory):
+    """One process, never stopped, two micro-batches per step."""
+    run_dir = tmp_path_factory.mktemp("exact") / "single"
+    torch.set_num_threads(1)
+    train(validate(exact_config(run_dir, accumulate=2)), progress=False)
+    return run_dir
+
+
+def exported(run_dir) -> dict:
+    ckpt = latest_checkpoint(run_dir)
+    return {name: (ckpt / name).read_bytes() for name in ("model.safetensors", "ema.safetensors")}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_every_strategy_exports_the_same_weights_file_bit_for_bit(tmp_path, exact_reference, strategy):
+    cfg = exact_config(tmp_path / strategy)
+    result = torchrun(2, cfg, tmp_path, f"parallel.strategy={strategy}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert exported(cfg["run_dir"]) == exported(exact_reference)
+
+
+def test_a_two_rank_fsdp_run_resumes_on_one_process_bit_identically(tmp_path, exact_reference):
+    """Saved as shards by 2 ranks half way, resumed by 1 process with 2 micro-batches: it must end exactly
+    where the 1-process run that never stopped ended (weights, EMA, optimizer state and data position)."""
+    cfg = exact_config(tmp_path / "moved", images=320)
+    result = torchrun(2, cfg, tmp_path, "parallel.strategy=fsdp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [int(p.name) for p in list_checkpoints(cfg["run_dir"])] == [320]
+    cfg["train"].update(images=640, accumulate=2)
+    torch.set_num_threads(1)
+    train(validate(cfg), progress=False)
+    assert exported(cfg["run_dir"]) == exported(exact_reference)
+    assert read_state(latest_checkpoint(cfg["run_dir"]))["progress"]["step"] == 20
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_a_one_process_run_resumes_on_two_ranks_bit_identically(tmp_path, strategy):
+    straight = exact_config(tmp_path / "straight")  # 2 ranks, never stopped
+    assert torchrun(2, straight, tmp_path, f"parallel.strategy={strategy}").returncode == 0
+    moved = exact_config(tmp_path / "moved", images=320, accumulate=2)
+    torch.set_num_threads(1)
+    train(validate(moved), progress=False)
+    moved["train"].update(images=640, accumulate=1)
+    result = torchrun(2, moved, tmp_path, f"parallel.strategy={strategy}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert exported(moved["run_dir"]) == exported(straight["run_dir"])
 
 
 @pytest.mark.parametrize("wire,ratio", [("bf16", 0.5), ("fp16", 0.5)])

@@ -135,7 +135,7 @@ def test_ema_follows_the_half_life_formula():
     for _ in range(10):
         ema.update(net, images_seen=10_000, batch=10)
     # after 100 images with half-life 100, the average has moved half way to the constant weights
-    assert torch.allclose(ema.net.weight, torch.full((1, 3), 0.5), atol=1e-6)
+    assert torch.allclose(ema.params["weight"], torch.full((1, 3), 0.5), atol=1e-6)
     ramped = EMA(net, halflife_images=100, rampup=0.05)
     assert ramped.beta(images_seen=200, batch=10) == pytest.approx(0.5 ** (10 / 10))
 

@@ -3,13 +3,13 @@
 Bytes are counted where the collective is issued, from the payload size and the algorithm's
 per-rank traffic: a ring all-reduce of n bytes over W ranks sends 2 (W - 1) / W * n bytes from each
 rank (reduce-scatter then all-gather); a reduce-scatter or an all-gather of a full tensor of n bytes
-sends (W - 1) / W * n.
+sends (W - 1) / W * n, and so does a pipelined broadcast of n bytes, averaged over the ranks.
 """
 
 from collections import defaultdict
 
 RING_FACTOR = {"all_reduce": lambda w: 2 * (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w,
-               "all_gather": lambda w: (w - 1) / w}
+               "all_gather": lambda w: (w - 1) / w, "broadcast": lambda w: (w - 1) / w}
 
 
 def bytes_sent(collective: str, payload_bytes: int, world: int) -> float:

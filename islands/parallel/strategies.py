@@ -1,7 +1,14 @@
 """Parallel strategies, applied to a built network from outside; the loop only calls these methods.
 
-none: one process.  ddp: data parallel (DistributedDataParallel) with optional fp16/bf16 gradient
-compression. Every strategy counts its traffic in a `Ledger`.
+none   one process.
+ddp    data parallel (DistributedDataParallel), optional fp16/bf16 gradient compression.
+zero1  ddp, with the optimizer state sharded (ZeroRedundancyOptimizer; ZeRO stage 1).
+zero2  FSDP2 keeping parameters gathered from forward to backward: gradients and optimizer state
+       sharded, parameters sharded only between steps (FSDP's SHARD_GRAD_OP, ZeRO stage 2).
+fsdp   FSDP2 `fully_shard` per block, then the root: parameters, gradients and optimizer state
+       sharded, each block gathered only while it computes (ZeRO stage 3).
+
+Every strategy counts its traffic in a `Ledger`, at the place where the collective is issued.
 """
 
 import contextlib
@@ -9,6 +16,10 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from islands.config import ConfigError
@@ -21,16 +32,33 @@ class Strategy:
 
     name = "none"
 
-    def __init__(self, world: World, compression: str = "none"):
+    def __init__(self, world: World, compression: str = "none", precision: str = "fp32"):
         self.world = world
         self.ledger = Ledger(world.size)
         self.compression = compression
+        self.precision = precision
 
     def wrap(self, net: nn.Module) -> nn.Module:
+        """Return what the loop calls; `net` itself stays the module whose parameters are optimized."""
         return net
 
-    def no_sync(self, net: nn.Module):
+    def optimizer(self, net: nn.Module, **adamw) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(net.parameters(), **adamw)
+
+    def local_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer whose state this rank holds (its own partition under ZeRO-1)."""
+        return opt
+
+    def no_sync(self, model: nn.Module):
         return contextlib.nullcontext()
+
+    def clip_grad_norm(self, params: list, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm and return it (the same number on every rank)."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def full_state_dict(self, state: dict) -> dict:
+        """Whole tensors on the CPU (a collective under sharding: every rank must call it)."""
+        return {k: v.detach().cpu() for k, v in state.items()}
 
     def all_finite(self, flag: bool) -> bool:
         """Whether every rank saw a finite step: all ranks must skip a step together."""
@@ -44,21 +72,10 @@ class Strategy:
         pass
 
     def check_consistency(self, net: nn.Module) -> None:
-        """Every rank holds the same weights (data parallel only); raises if not."""
+        """Every rank holds the same weights (replicated strategies only); raises if not."""
 
 
-class DDPStrategy(Strategy):
-    name = "ddp"
-
-    def wrap(self, net: nn.Module) -> nn.Module:
-        device_ids = [self.world.device.index] if self.world.device.type == "cuda" else None
-        ddp = DistributedDataParallel(net, device_ids=device_ids)
-        ddp.register_comm_hook(self, _averaging_hook(self.compression))
-        return ddp
-
-    def no_sync(self, net: nn.Module):
-        return net.no_sync()
-
+class _Distributed(Strategy):
     def all_finite(self, flag: bool) -> bool:
         t = torch.tensor([1.0 if flag else 0.0])
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -71,6 +88,19 @@ class DDPStrategy(Strategy):
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+class DDPStrategy(_Distributed):
+    name = "ddp"
+
+    def wrap(self, net: nn.Module) -> nn.Module:
+        device_ids = [self.world.device.index] if self.world.device.type == "cuda" else None
+        ddp = DistributedDataParallel(net, device_ids=device_ids)
+        ddp.register_comm_hook(self, _averaging_hook(self.compression))
+        return ddp
+
+    def no_sync(self, model: nn.Module):
+        return model.no_sync()
 
     def check_consistency(self, net: nn.Module) -> None:
         # Two different sums per tensor: a rank that drifted cannot match both by accident.
@@ -85,7 +115,86 @@ class DDPStrategy(Strategy):
             raise RuntimeError(f"ranks hold different weights after a checkpoint: {', '.join(names[:5])}")
 
 
+class Zero1Strategy(DDPStrategy):
+    """Gradients all-reduced as in DDP; each rank keeps Adam's moments of its own parameters only,
+    steps them, and broadcasts them to the others."""
+
+    name = "zero1"
+
+    def optimizer(self, net: nn.Module, **adamw) -> torch.optim.Optimizer:
+        ledger = self.ledger
+        payload = sum(p.numel() * p.element_size() for p in net.parameters())
+
+        class CountingZero(ZeroRedundancyOptimizer):
+            def step(self, *args, **kwargs):
+                # Each owner broadcasts its partition: the parameters once in all, like an all-gather.
+                ledger.record("broadcast", payload)
+                return super().step(*args, **kwargs)
+
+        return CountingZero(net.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+
+    def local_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return opt.optim
+
+
 _WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class FSDPStrategy(_Distributed):
+    name = "fsdp"
+    reshard_after_forward = True
+
+    def wrap(self, net: nn.Module) -> nn.Module:
+        # bf16 parameters for compute, fp32 reduction and fp32 master weights (torchtitan's default);
+        # parallel.compression, if set, lowers the reduce-scatter's precision instead.
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.precision == "bf16" else None,
+                                      reduce_dtype=_WIRE_DTYPES[self.compression] or torch.float32)
+        units = [*net.blocks, net]  # the root last, so it owns only what no block holds
+        for unit in units:
+            # None: blocks reshard after forward, the root (needed first in backward) stays gathered
+            fully_shard(unit, mp_policy=policy, reshard_after_forward=None if self.reshard_after_forward else False)
+        for unit in units:
+            unit.set_custom_all_gather(_CountingAllGather(self.ledger))
+            unit.set_custom_reduce_scatter(_CountingReduceScatter(self.ledger))
+        return net
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm(self, params: list, max_norm: float) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def full_state_dict(self, state: dict) -> dict:
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
+
+
+class Zero2Strategy(FSDPStrategy):
+    name = "zero2"
+    reshard_after_forward = False
+
+
+class _CountingAllGather(DefaultAllGather):
+    def __init__(self, ledger: Ledger):
+        self.ledger = ledger
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.ledger.record("all_gather", output_tensor.numel() * output_tensor.element_size())
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _CountingReduceScatter(DefaultReduceScatter):
+    def __init__(self, ledger: Ledger):
+        self.ledger = ledger
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.ledger.record("reduce_scatter", input_tensor.numel() * input_tensor.element_size())
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 def _averaging_hook(compression: str):
@@ -112,12 +221,16 @@ def _averaging_hook(compression: str):
     return hook
 
 
-STRATEGIES = {"none": Strategy, "ddp": DDPStrategy}
+STRATEGIES = {"none": Strategy, "ddp": DDPStrategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
+              "fsdp": FSDPStrategy}
 
 
-def build_strategy(name: str, world: World, compression: str = "none") -> Strategy:
+def build_strategy(name: str, world: World, compression: str = "none", precision: str = "fp32") -> Strategy:
     if name == "none" and world.distributed:
         raise ConfigError("parallel.strategy: 'none' cannot run with several ranks; choose ddp")
     if name != "none" and not dist.is_initialized():
         raise ConfigError(f"parallel.strategy: {name!r} needs a process group; launch with torchrun")
-    return STRATEGIES[name](world, compression)
+    if name in ("fsdp", "zero2") and precision == "fp16":
+        # GradScaler would find infinities in each rank's shard separately and let the scales drift apart.
+        raise ConfigError(f"train.precision: fp16 loss scaling is not supported with {name}; use bf16")
+    return STRATEGIES[name](world, compression, precision)

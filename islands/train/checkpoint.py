@@ -1,10 +1,13 @@
 """Checkpoints that are either complete or ignored, and nothing that needs unpickling foreign data.
 
 Layout of one checkpoint, `RUN_DIR/checkpoints/<images, 12 digits>/`:
-  model.safetensors   the raw weights          ema.safetensors   the averaged weights (if any)
-  trainer.pt          our own optimizer, loss-scaler and RNG state (loaded with weights_only=True)
+  sharded/            weights, EMA and optimizer state as each rank held them, through
+                      torch.distributed.checkpoint: what a resume reads, at any world size
+  model.safetensors   the whole weights        ema.safetensors   the averaged weights (if any)
+                      (exports: the same whatever strategy trained them; what sampling reads)
+  trainer.pt          our own loss-scaler and RNG state (loaded with weights_only=True)
   state.json          counters                 complete          the marker written last
-It is written into a temporary folder that is renamed into place only when whole.
+Every rank writes its shards into a temporary folder, which rank 0 renames into place only when whole.
 """
 
 import json
@@ -15,6 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from islands.parallel.distributed_checkpoint import UnsafeCheckpoint, load_sharded, save_sharded
 
 MARKER = "complete"
 
@@ -62,22 +67,28 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def write_checkpoint(run_dir: Path, images: int, files: dict, state: dict, keep: int) -> Path:
-    """files maps a file name to ('weights', state_dict) or ('torch', object); state goes to state.json."""
+def write_checkpoint(run_dir: Path, images: int, sharded: dict, exports: dict, trainer: dict, state: dict,
+                     keep: int, main: bool = True, barrier=lambda: None) -> Path:
+    """Every rank calls this with its `sharded` tensors; rank 0 (`main`) also writes `exports` (file name to
+    whole state dict), `trainer` (torch.save) and `state` (state.json), then publishes the folder."""
     final = checkpoint_dir(run_dir, images)
     tmp = final.parent / f".tmp-{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name, (kind, obj) in files.items():
-        if kind == "weights":
-            save_weights(obj, tmp / name)
-        else:
-            torch.save(obj, tmp / name)
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    save_sharded(sharded, tmp / "sharded")  # DCP fsyncs its own files
+    if not main:
+        return final
+    for name, weights in exports.items():
+        save_weights(weights, tmp / name)
+    torch.save(trainer, tmp / "trainer.pt")
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     (tmp / MARKER).write_text("")
     for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
     if final.exists():  # a rerun reaching the same image count replaces it whole
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -87,9 +98,33 @@ def write_checkpoint(run_dir: Path, images: int, files: dict, state: dict, keep:
     return final
 
 
+def adam_state(opt: torch.optim.Optimizer, net: torch.nn.Module) -> dict:
+    """The optimizer's tensors keyed by parameter name, which stays valid across world sizes and
+    strategies (a parameter's index in the optimizer does not). Empty state is created first, as AdamW
+    would on its first step, so a resume has tensors to load into. Hyper-parameters are not saved:
+    they come from the config, which a resume may not change."""
+    names = {p: name for name, p in net.named_parameters()}
+    held = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state[p]
+            if not state:
+                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            held[names[p]] = state
+    return held
+
+
+def read_sharded(ckpt: Path, state: dict) -> None:
+    """Fill `state`'s tensors in place with this rank's slices of the checkpoint's sharded state."""
+    try:
+        load_sharded(state, ckpt / "sharded")
+    except UnsafeCheckpoint as err:
+        raise CheckpointError(str(err)) from None
+
+
 def read_state(ckpt: Path) -> dict:
     return json.loads((ckpt / "state.json").read_text())
 
 
-def read_trainer(ckpt: Path, name: str = "trainer.pt") -> dict:
-    return torch.load(ckpt / name, map_location="cpu", weights_only=True)
+def read_trainer(ckpt: Path) -> dict:
+    return torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=True)

@@ -2,10 +2,13 @@
 
 beta = 0.5 ** (batch / half_life), and during ramp-up half_life <= rampup * images_seen, so early
 averages do not drag in the random initialisation. Counting in images keeps the average the same
-whatever the number of ranks or the accumulation count.
-"""
+whatever the number of ranks or the accumulation count; the count itself is the run's image clock,
+which every checkpoint keeps.
 
-import copy
+The average is a list of tensors shaped like the network's parameters, made after the network was
+sharded: under FSDP each rank averages only its own shards, and the full copy exists only when
+gathered for a checkpoint or for sampling.
+"""
 
 import torch
 from torch import nn
@@ -14,7 +17,9 @@ from torch import nn
 class EMA:
     def __init__(self, net: nn.Module, halflife_images: float, rampup: float | None = 0.05):
         self.halflife, self.rampup = halflife_images, rampup
-        self.net = copy.deepcopy(net).eval().requires_grad_(False)
+        self.params = {name: p.detach().clone() for name, p in net.named_parameters()}
+        saved = net.state_dict().keys()  # persistent buffers only, as the network's own state dict
+        self.buffers = {name: b.detach().clone() for name, b in net.named_buffers() if name in saved}
 
     def beta(self, images_seen: int, batch: int) -> float:
         halflife = self.halflife
@@ -25,9 +30,13 @@ class EMA:
     @torch.no_grad()
     def update(self, net: nn.Module, images_seen: int, batch: int) -> None:
         """Blend in the weights after an optimizer step; images_seen counts that step's images."""
-        beta = self.beta(images_seen, batch)
-        ema_params = list(self.net.parameters())
-        params = [p.detach() for p in net.parameters()]
-        torch._foreach_lerp_(ema_params, params, 1.0 - beta)
-        for b_ema, b in zip(self.net.buffers(), net.buffers()):
-            b_ema.copy_(b)
+        weight = 1.0 - self.beta(images_seen, batch)
+        for name, p in net.named_parameters():
+            self.params[name].lerp_(p.detach(), weight)
+        for name, b in net.named_buffers():
+            if name in self.buffers:
+                self.buffers[name].copy_(b)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Keyed like the network's own state dict, so it loads into a plain copy of the network."""
+        return {**self.params, **self.buffers}

@@ -23,13 +23,14 @@ from islands.flow.denoiser import NetworkDenoiser
 from islands.flow.objectives import training_loss
 from islands.flow.paths import build_path
 from islands.flow.timesteps import TimeSampler
-from islands.generate import generate, sample_labels
+from islands.generate import generate, network_with_weights, sample_labels
 from islands.images import save_samples_picture
 from islands.nets import build_network
 from islands.parallel.launch import World, close_world, init_world
 from islands.parallel.strategies import build_strategy
 from islands.train.activation_checkpointing import checkpoint_blocks
-from islands.train.checkpoint import latest_checkpoint, load_weights, read_state, read_trainer, write_checkpoint
+from islands.train.checkpoint import (adam_state, latest_checkpoint, read_sharded, read_state, read_trainer,
+                                      write_checkpoint)
 from islands.train.ema import EMA
 from islands.train.logbook import Logbook
 
@@ -122,7 +123,7 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
     if cfg.train.batch_size % (world.size * cfg.train.accumulate):
         raise ConfigError(f"train.batch_size: {cfg.train.batch_size} is not divisible by "
                           f"{world.size} ranks x accumulate={cfg.train.accumulate}")
-    strategy = build_strategy(cfg.parallel.strategy, world, cfg.parallel.compression)
+    strategy = build_strategy(cfg.parallel.strategy, world, cfg.parallel.compression, cfg.train.precision)
     device, main = world.device, world.is_main
     run_dir = prepare_run_dir(cfg, write=main)
     strategy.barrier()
@@ -136,23 +137,28 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
         (run_dir / "model.json").write_text(json.dumps({"shape": list(shape), "num_classes": num_classes}))
 
     net = build_network(cfg.model, shape, num_classes).to(device)
-    ema = EMA(net, cfg.train.ema_halflife_images, cfg.train.ema_rampup) if cfg.train.ema_halflife_images else None
     if cfg.train.activation_checkpointing:
         checkpoint_blocks(net)
-    model = strategy.wrap(net)  # what the loop calls; `net` stays the plain module for weights
-    opt = torch.optim.AdamW(net.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
-                            weight_decay=cfg.train.weight_decay)
+    model = strategy.wrap(net)  # what the loop calls; `net` is the module whose parameters are optimized
+    opt = strategy.optimizer(net, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
+    ema = EMA(net, cfg.train.ema_halflife_images, cfg.train.ema_rampup) if cfg.train.ema_halflife_images else None
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, enabled=cfg.train.precision == "fp16")
     objective = DiffusionObjective(cfg, num_classes)
+
+    def sharded_state() -> dict:
+        """What each rank holds: its shards under FSDP, its optimizer partition under ZeRO-1."""
+        held = {"model": net.state_dict(), "optim": adam_state(strategy.local_optimizer(opt), net)}
+        if ema is not None:
+            held["ema"] = ema.state_dict()
+        return held
 
     state = Progress()
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None:
-        net.load_state_dict(load_weights(ckpt / "model.safetensors"))
-        if ema is not None:
-            ema.net.load_state_dict(load_weights(ckpt / "ema.safetensors"))
+        held = sharded_state()
+        read_sharded(ckpt, held)  # in place, resharded to this run's layout and world size
+        net.load_state_dict(held["model"])
         trainer = read_trainer(ckpt)
-        opt.load_state_dict(trainer["optimizer"])
         scaler.load_state_dict(trainer["scaler"])
         torch.set_rng_state(trainer["rng"])
         state = Progress(**read_state(ckpt)["progress"])
@@ -162,21 +168,24 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
         return run_dir
 
     def save_checkpoint() -> Path:
-        files = {"model.safetensors": ("weights", net.state_dict()),
-                 "trainer.pt": ("torch", {"optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
-                                          "rng": torch.get_rng_state()})}
+        exports = {"model.safetensors": strategy.full_state_dict(net.state_dict())}
         if ema is not None:
-            files["ema.safetensors"] = ("weights", ema.net.state_dict())
-        return write_checkpoint(run_dir, state.images, files, {"progress": asdict(state)}, cfg.train.keep_checkpoints)
+            exports["ema.safetensors"] = strategy.full_state_dict(ema.state_dict())
+        trainer = {"scaler": scaler.state_dict(), "rng": torch.get_rng_state()}
+        return write_checkpoint(run_dir, state.images, sharded_state(), exports, trainer, {"progress": asdict(state)},
+                                cfg.train.keep_checkpoints, main, strategy.barrier)
 
     def save_samples() -> None:
-        sampler = NetworkDenoiser((ema.net if ema is not None else net).eval(), objective.path, objective.prediction)
+        weights = strategy.full_state_dict((ema if ema is not None else net).state_dict())  # every rank takes part in gathering
+        if not main:
+            return
+        sampler = NetworkDenoiser(network_with_weights(cfg.model, shape, num_classes, weights, device),
+                                  objective.path, objective.prediction)
         num = min(cfg.sample.num, 64 if len(shape) == 3 else 2000)  # a legible grid, or a dense scatter
         labels = sample_labels(num, num_classes)
         x = generate(sampler, shape, num, cfg.sample, cfg.seed, labels, device=device)
         reference = source.get(list(range(min(len(source), 2000))))[0] if len(shape) == 1 else None
         save_samples_picture(x, run_dir / "samples" / f"{state.images:012d}.png", reference, f"{state.images} images")
-        net.train()
 
     loader = iter(stream_loader(source, cfg.train.batch_size, cfg.seed, start=state.images, rank=world.rank,
                                 world=world.size, workers=cfg.data.workers, flip=cfg.data.flip))
@@ -207,11 +216,10 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
                     scaler.scale(loss / cfg.train.accumulate).backward()
                 loss_sum += loss.detach() / cfg.train.accumulate
             scaler.unscale_(opt)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or math.inf)
+            grad_norm = strategy.clip_grad_norm(params, cfg.train.grad_clip or math.inf)
             before = state.images
             state.images += batch
             state.step += 1
-            window["comm_bytes"] += sum(strategy.ledger.close_step().values())
             if strategy.all_finite(bool(torch.isfinite(loss_sum) and torch.isfinite(grad_norm))):
                 scaler.step(opt)
                 scaler.update()
@@ -230,6 +238,7 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
                     raise TrainingStopped(
                         f"stopped after {state.nonfinite_in_a_row} steps in a row with non-finite loss or gradients "
                         f"(image {state.images}); last good checkpoint: {last or 'none'}")
+            window["comm_bytes"] += sum(strategy.ledger.close_step().values())  # the optimizer's traffic included
             window["images"] += batch
             window["steps_all"] += 1
             bar.update(batch)
@@ -250,11 +259,10 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
                     bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
                 window = new_window()
             if crossed(before, state.images, cfg.train.checkpoint_every) or done:
-                if main:
-                    save_checkpoint()
+                save_checkpoint()
                 strategy.check_consistency(net)
                 strategy.barrier()
-            if main and (crossed(before, state.images, cfg.train.sample_every) or done):
+            if crossed(before, state.images, cfg.train.sample_every) or done:
                 save_samples()
     finally:
         bar.close()

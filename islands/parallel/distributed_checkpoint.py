@@ -1,0 +1,79 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP), readable at any world size.
+
+Every rank writes the shards it holds (DTensor shards under FSDP, its optimizer partition under
+ZeRO-1; replicated tensors are written once) and reads back whatever slices its new layout needs,
+so a run saved by N ranks resumes on M. Without a process group DCP runs as one process.
+
+Only tensors go in: DCP stores other objects as pickles and loads them with weights_only=False.
+Its `.metadata` file is itself a pickle, so it is read here with an unpickler that builds only DCP's
+own metadata classes and torch's dtypes; anything else in it is refused.
+"""
+
+import contextlib
+import io
+import pickle
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")
+_ALLOWED_GLOBALS = {("collections", "OrderedDict"), ("collections", "defaultdict"), ("copyreg", "_reconstructor"),
+                    ("builtins", "object"), ("builtins", "set"), ("builtins", "frozenset"), ("torch", "Size"),
+                    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+_TORCH_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class UnsafeCheckpoint(ValueError):
+    pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module.startswith(_ALLOWED_MODULES) or (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_ENUMS):
+            return getattr(torch, name)
+        raise UnsafeCheckpoint(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never holds")
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, OSError) as err:
+            raise UnsafeCheckpoint(f"cannot read checkpoint metadata {path}: {err}") from None
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpoint(f"{path} is not checkpoint metadata")
+        kinds = {type(m) for m in metadata.state_dict_metadata.values()}
+        if kinds - {TensorStorageMetadata}:  # non-tensor entries would be unpickled without restriction
+            raise UnsafeCheckpoint(f"{path} lists entries that are not tensors")
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+@contextlib.contextmanager
+def _single_process_is_intended():
+    """One process without a process group is a supported layout, not something to warn about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def save_sharded(state: dict, path: Path) -> None:
+    """Collective under a process group: every rank calls it with its own part of `state`."""
+    with _single_process_is_intended():
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def load_sharded(state: dict, path: Path) -> None:
+    """Fill the tensors of `state` in place (each rank its own slices) from the checkpoint at `path`."""
+    reader = _SafeReader(str(path))
+    reader.read_metadata()  # fails here with a plain message; inside dcp.load it would come wrapped
+    with _single_process_is_intended():
+        dcp.load(state, storage_reader=reader)
