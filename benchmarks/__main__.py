@@ -7,7 +7,7 @@ import argparse
 import importlib
 import time
 
-BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing"]
+BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "parallel"]
 
 
 def main() -> None:

@@ -177,12 +177,11 @@ class Config(Section):
     parallel: ParallelConfig = ParallelConfig()
 
 
-# Keys that may change when a run is resumed: they do not alter the trajectory already taken.
 # Keys a resume may change: they alter how long, how often, on how many ranks and in how many micro-batches,
 # not what is computed (accumulate only reorders float sums, which lets a run move to fewer devices).
 RESUMABLE_CHANGES = {
-    "run_dir", "train.images", "train.accumulate", "train.checkpoint_every", "train.keep_checkpoints", "train.sample_every",
-    "train.log_every", "train.max_nonfinite", "train.threads", "data.workers", "sample", "parallel",
+    "run_dir", "train.images", "train.accumulate", "train.checkpoint_every", "train.keep_checkpoints",
+    "train.sample_every", "train.log_every", "train.max_nonfinite", "train.threads", "data.workers", "sample", "parallel",
 }
 
 

@@ -37,7 +37,9 @@ def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser,
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint yet")
-    weights = ckpt / "ema.safetensors" if use_ema and (ckpt / "ema.safetensors").exists() else ckpt / "model.safetensors"
+    weights = ckpt / "ema.safetensors"
+    if not (use_ema and weights.exists()):
+        weights = ckpt / "model.safetensors"
     net = network_with_weights(cfg.model, tuple(info["shape"]), info["num_classes"], load_weights(weights))
     return NetworkDenoiser(net, cfg.flow.path, cfg.flow.prediction), cfg, info
 

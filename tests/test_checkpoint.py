@@ -56,9 +56,11 @@ def test_checkpoints_are_whole_or_ignored_and_old_ones_are_pruned(tmp_path):
 
 def test_sharded_state_round_trips_and_a_pickle_in_its_metadata_is_refused_without_running_it(tmp_path):
     global MARK
-    held = {"model": {"w": torch.randn(3, 4)}, "optim": {"w": {"step": torch.tensor(7.0), "exp_avg": torch.randn(3, 4)}}}
+    held = {"model": {"w": torch.randn(3, 4)},
+            "optim": {"w": {"step": torch.tensor(7.0), "exp_avg": torch.randn(3, 4)}}}
     ckpt = write_checkpoint(tmp_path, 10, held, {}, {}, {}, keep=1)
-    back = {"model": {"w": torch.zeros(3, 4)}, "optim": {"w": {"step": torch.tensor(0.0), "exp_avg": torch.zeros(3, 4)}}}
+    back = {"model": {"w": torch.zeros(3, 4)},
+            "optim": {"w": {"step": torch.tensor(0.0), "exp_avg": torch.zeros(3, 4)}}}
     read_sharded(ckpt, back)
     assert torch.equal(back["model"]["w"], held["model"]["w"]) and back["optim"]["w"]["step"] == 7
     assert torch.equal(back["optim"]["w"]["exp_avg"], held["optim"]["w"]["exp_avg"])

@@ -176,7 +176,8 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
                                 cfg.train.keep_checkpoints, main, strategy.barrier)
 
     def save_samples() -> None:
-        weights = strategy.full_state_dict((ema if ema is not None else net).state_dict())  # every rank takes part in gathering
+        # every rank takes part in gathering the weights; rank 0 alone draws
+        weights = strategy.full_state_dict((ema if ema is not None else net).state_dict())
         if not main:
             return
         sampler = NetworkDenoiser(network_with_weights(cfg.model, shape, num_classes, weights, device),
@@ -271,6 +272,9 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
     if main and world.distributed:
         summary = strategy.ledger.summary()
         (run_dir / "communication.json").write_text(json.dumps(summary, indent=1))
+    # Leave together: rank 0 may still be drawing samples, and a peer tearing down its process group
+    # meanwhile has been seen to abort ("terminate called without an active exception").
+    strategy.barrier()
     return run_dir
 
 
