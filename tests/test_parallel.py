@@ -117,6 +117,20 @@ def test_every_strategy_on_two_ranks_follows_the_single_process_trajectory(
         assert record["comm_bytes_per_step_per_rank"] == pytest.approx(sum(predicted.values()))
 
 
+def test_fsdp_in_bf16_gathers_bf16_weights_reduces_fp32_gradients_and_keeps_fp32_masters(tmp_path, reference):
+    cfg, single = reference
+    cfg = {**cfg, "run_dir": str(tmp_path / "bf16")}
+    result = torchrun(2, cfg, tmp_path, "parallel.strategy=fsdp", "train.precision=bf16")
+    assert result.returncode == 0, result.stderr[-3000:]
+    fp32 = predicted_bytes("fsdp", 1, cfg)
+    summary = json.loads((tmp_path / "bf16" / "communication.json").read_text())
+    assert summary["bytes_per_step"] == pytest.approx({"all_gather": fp32["all_gather"] / 2,
+                                                       "reduce_scatter": fp32["reduce_scatter"]})
+    weights = final_weights(cfg["run_dir"])
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    assert 1e-6 < relative_difference(single, weights) < 5e-2  # bf16 arithmetic: near, not equal
+
+
 def exact_config(run_dir, **train_keys) -> dict:
     """mlp_config without gradient clipping, whose norm a sharded run sums in another order.
 
