@@ -43,6 +43,20 @@ def _sample(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    import torch
+
+    from islands.eval.evaluate import evaluate_target, format_table
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result, out = evaluate_target(Path(args.target), args.num, args.steps, args.metrics, args.features,
+                                  args.batch_size, Path(args.run) if args.run else None, progress=not args.quiet)
+    print(format_table(result))
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="islands", description="Train and sample diffusion / flow-matching models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -74,6 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_sample)
+
+    p = sub.add_parser("eval", help="measure samples against the data (FD, KID, precision/recall, coverage, ...)",
+                       description="Evaluate a run (generating --num samples from its latest checkpoint) or an "
+                                   "existing samples.npz against the run's data. Adds the result to metrics.json "
+                                   "beside the target and prints it.")
+    p.add_argument("target", help="a run directory, or a samples.npz written by 'islands sample'")
+    p.add_argument("--num", type=int, help="samples to generate for a run directory (default: eval.num)")
+    p.add_argument("--steps", type=int, help="solver steps (default: the run's sample.steps)")
+    p.add_argument("--metrics", nargs="+", metavar="METRIC",
+                   help="fd kid precision_recall coverage; for Gaussian-mixture data also nll swd mode_mass "
+                        "velocity_mse (default: all that apply)")
+    p.add_argument("--features", choices=["classifier", "pixels", "torch"],
+                   help="feature network (default: eval.features; a classifier trained on the data for labelled "
+                        "images, else pixels); torch reads eval.feature_net and eval.feature_weights")
+    p.add_argument("--run", help="the run whose data a samples.npz is compared with (default: the run above it)")
+    p.add_argument("--batch-size", type=int, help="samples per batch; does not change the numbers")
+    p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_eval)
     return parser
 
 

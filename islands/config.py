@@ -160,6 +160,20 @@ class SampleConfig(Section):
     batch_size: int = Field(256, gt=0)
 
 
+class EvalConfig(Section):
+    every: int = Field(0, ge=0)  # images between evaluations during training; 0: none (use `islands eval`)
+    num: int = Field(1000, gt=0)  # samples generated per evaluation
+    metrics: list[str] | None = None  # None: every metric that applies to the data
+    features: Literal["classifier", "pixels", "torch"] | None = None  # None: classifier for labelled images
+    feature_net: str | None = None  # torch features: 'package.module:function' building the network
+    feature_weights: str | None = None  # torch features: its weights, a safetensors file
+    feature_size: int | None = Field(None, gt=0)  # torch features: resize images to this side first
+    feature_channels: int | None = Field(None, gt=0)  # torch features: repeat grey images to this many channels
+    classifier_epochs: int = Field(2, gt=0)
+    val_size: int = Field(256, ge=0)  # examples of the fixed validation probe; 0: no validation loss
+    val_times: int = Field(8, gt=0)  # stratified times t = (k + 0.5) / val_times at which each is scored
+
+
 class ParallelConfig(Section):
     strategy: Literal["none", "ddp", "zero1", "zero2", "fsdp"] = "none"
     timeout_s: float = Field(600.0, gt=0)  # a collective that waits longer fails every rank
@@ -175,6 +189,7 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     sample: SampleConfig = SampleConfig()
     parallel: ParallelConfig = ParallelConfig()
+    eval: EvalConfig = EvalConfig()
 
 
 # Keys a resume may change: they alter how long, how often, on how many ranks and in how many micro-batches,
@@ -182,6 +197,7 @@ class Config(Section):
 RESUMABLE_CHANGES = {
     "run_dir", "train.images", "train.accumulate", "train.checkpoint_every", "train.keep_checkpoints",
     "train.sample_every", "train.log_every", "train.max_nonfinite", "train.threads", "data.workers", "sample", "parallel",
+    "eval",
 }
 
 
@@ -228,6 +244,14 @@ def validate(raw: dict) -> Config:
         return Config.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
+
+
+def revalidate(section: Section, name: str, **updates) -> Section:
+    """A section with some keys replaced (e.g. from command-line options), checked again."""
+    try:
+        return type(section).model_validate({**section.model_dump(exclude_unset=True), **updates})
+    except ValidationError as err:
+        raise ConfigError(f"{name}.{_format_error(err)}") from None
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:

@@ -34,3 +34,11 @@ def tiny_unet_config(run_dir, data_path, **sections) -> dict:
 
 def tiny_unet(run_dir, data_path, **sections):
     return validate(tiny_unet_config(run_dir, data_path, **sections))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_cache(tmp_path_factory):
+    """Trained feature classifiers and reference statistics go to a fresh folder, never ~/.cache."""
+    import os
+
+    os.environ["ISLANDS_CACHE"] = str(tmp_path_factory.mktemp("cache"))

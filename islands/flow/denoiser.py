@@ -68,9 +68,14 @@ class NetworkDenoiser(nn.Module):
     def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
         t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(x.shape[0])
         if self.identity:  # the canonical frame itself: nothing to convert
-            return self.net(x, t, cond).to(x.dtype)
+            return self._net(x, t, cond)
         tau = self.path.own_time(t.clamp(_EDGE, 1 - _EDGE)).clamp(0, 1)
         x_own = broadcast(self.path.scale(tau), x) * x
-        out = self.net(x_own, tau, cond).to(x.dtype)
+        out = self._net(x_own, tau, cond)
         x0, eps = x0_and_noise(self.path, self.prediction, x_own, out, tau)
         return eps - x0
+
+    def _net(self, x: Tensor, t: Tensor, cond: Tensor | None) -> Tensor:
+        """The network in its own precision; the frame conversion stays in the caller's (float64 for metrics)."""
+        dtype = next(self.net.parameters(), x).dtype
+        return self.net(x.to(dtype), t.to(dtype), cond).to(x.dtype)

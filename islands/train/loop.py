@@ -23,6 +23,7 @@ from islands.flow.denoiser import NetworkDenoiser
 from islands.flow.objectives import training_loss
 from islands.flow.paths import build_path
 from islands.flow.timesteps import TimeSampler
+from islands.eval.evaluate import Evaluator, generated
 from islands.generate import generate, network_with_weights, sample_labels
 from islands.images import save_samples_picture
 from islands.nets import build_network
@@ -65,6 +66,18 @@ class DiffusionObjective:
             drop = (streams.uniform(self.seed, pos, "label_drop") < self.label_dropout).to(x0.device)
             cond = torch.where(drop, torch.full_like(labels, self.num_classes), labels)
         return training_loss(net, self.path, self.prediction, x0, noise, tau, cond)
+
+    @torch.no_grad()
+    def validation_loss(self, net, x0: torch.Tensor, labels: torch.Tensor | None, times: int) -> list[float]:
+        """Mean loss at each of `times` stratified times, on fixed examples with fixed noise and no label
+        dropout: the same probe at every evaluation, so its changes are the model's, not the draw's."""
+        noise = streams.normal(self.seed, list(range(len(x0))), tuple(x0.shape[1:]), "validation").to(x0)
+        t_lo, t_hi = self.times.t_lo, self.times.t_hi
+        losses = []
+        for k in range(times):
+            tau = torch.full((len(x0),), t_lo + (t_hi - t_lo) * (k + 0.5) / times).to(x0)
+            losses.append(training_loss(net, self.path, self.prediction, x0, noise, tau, labels).mean().item())
+        return losses
 
 
 def learning_rate(cfg: Config, images: int) -> float:
@@ -188,9 +201,34 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
         reference = source.get(list(range(min(len(source), 2000))))[0] if len(shape) == 1 else None
         save_samples_picture(x, run_dir / "samples" / f"{state.images:012d}.png", reference, f"{state.images} images")
 
+    evaluator, probe = None, None
+
+    def evaluate() -> None:
+        nonlocal evaluator, probe
+        weights = strategy.full_state_dict((ema if ema is not None else net).state_dict())
+        if not main:
+            return
+        plain = network_with_weights(cfg.model, shape, num_classes, weights, device)
+        record = {"images": state.images}
+        if cfg.eval.val_size:
+            if probe is None:  # a fixed random subset (some sources are sorted by class)
+                order = torch.randperm(len(source), generator=streams.generator(cfg.seed, 0, "validation"))
+                probe = source.get(order[:cfg.eval.val_size].tolist())
+            x0, labels = probe
+            by_t = objective.validation_loss(plain, x0.to(device), labels.to(device) if num_classes else None,
+                                             cfg.eval.val_times)
+            record.update(val_loss=sum(by_t) / len(by_t), val_loss_by_t=by_t)
+        if cfg.eval.metrics != []:
+            evaluator = evaluator or Evaluator(source, cfg.eval, cfg.seed)
+            denoiser = NetworkDenoiser(plain, objective.path, objective.prediction)
+            batches = generated(denoiser, shape, cfg.eval.num, cfg.sample, cfg.seed, num_classes)
+            record.update({k: v for k, v in evaluator(batches, denoiser).items() if isinstance(v, (int, float))})
+        eval_log.write(record)
+
     loader = iter(stream_loader(source, cfg.train.batch_size, cfg.seed, start=state.images, rank=world.rank,
                                 world=world.size, workers=cfg.data.workers, flip=cfg.data.flip))
     logbook = Logbook(run_dir) if main else None
+    eval_log = Logbook(run_dir, "eval") if main and cfg.eval.every else None
     run_length = math.ceil(cfg.train.images / cfg.train.batch_size) * cfg.train.batch_size  # whole batches
     bar = tqdm(total=run_length, initial=state.images, unit="img", disable=not progress, dynamic_ncols=True)
     params = [p for p in net.parameters() if p.requires_grad]
@@ -265,10 +303,13 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
                 strategy.barrier()
             if crossed(before, state.images, cfg.train.sample_every) or done:
                 save_samples()
+            if cfg.eval.every and (crossed(before, state.images, cfg.eval.every) or done):
+                evaluate()
     finally:
         bar.close()
-        if logbook is not None:
-            logbook.close()
+        for log in (logbook, eval_log):
+            if log is not None:
+                log.close()
     if main and world.distributed:
         summary = strategy.ledger.summary()
         (run_dir / "communication.json").write_text(json.dumps(summary, indent=1))

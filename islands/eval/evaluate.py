@@ -1,0 +1,206 @@
+"""Metrics of generated samples against the data: what `islands eval` and training-time evaluation compute.
+
+Samples are generated in batches, sample i from the noise keyed on (seed, i), and only their features
+are kept, so the numbers depend neither on the batch size nor on how many ranks trained the model.
+Reference statistics are cached per data set (by hash) and feature network.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from islands.config import ConfigError, EvalConfig, SampleConfig, revalidate
+from islands.data import build_data
+from islands.data.gmm import GMMSource
+from islands.data.sources import Source
+from islands.eval import exact, metrics
+from islands.eval.features import (ClassifierFeatures, Features, Pixels, cache_dir, data_fingerprint,
+                                   load_classifier, load_torch_features)
+from islands.flow.denoiser import Denoiser
+from islands.generate import describe_run, generate, load_denoiser, sample_labels
+from islands.train.checkpoint import CheckpointError, latest_checkpoint
+
+SAMPLE_METRICS = ("fd", "kid", "precision_recall", "coverage")  # any data, from samples alone
+EXACT_METRICS = ("nll", "swd", "mode_mass")  # Gaussian mixtures, from samples alone
+DENOISER_METRICS = ("velocity_mse",)  # Gaussian mixtures, from the model itself
+REFERENCE_MAX = 10_000  # data examples whose features KID and precision/recall compare against
+
+
+def available_metrics(source: Source, features: Features | None, with_denoiser: bool) -> list[str]:
+    names = ["fd", "kid", "precision_recall"]
+    if isinstance(features, ClassifierFeatures):
+        names.append("coverage")
+    if isinstance(source, GMMSource):
+        names += list(EXACT_METRICS) + (list(DENOISER_METRICS) if with_denoiser else [])
+    return names
+
+
+def build_features(cfg: EvalConfig, source: Source, seed: int = 0, progress: bool = False) -> Features:
+    kind = cfg.features or ("classifier" if source.num_classes and len(source.shape) == 3 else "pixels")
+    if kind == "pixels":
+        return Pixels()
+    if kind == "classifier":
+        return load_classifier(source, seed, cfg.classifier_epochs, progress=progress)
+    if not (cfg.feature_net and cfg.feature_weights):
+        raise ConfigError("eval.features: 'torch' needs eval.feature_net (module:function) and eval.feature_weights")
+    return load_torch_features(cfg.feature_net, cfg.feature_weights, cfg.feature_size, cfg.feature_channels)
+
+
+class Evaluator:
+    """Holds what does not change between evaluations: the features, the data's statistics and labels."""
+
+    def __init__(self, source: Source, cfg: EvalConfig, seed: int = 0, progress: bool = False):
+        self.source, self.cfg, self.seed, self.progress = source, cfg, seed, progress
+        self.features = build_features(cfg, source, seed, progress)
+        self._reference = None
+
+    def metrics(self, with_denoiser: bool) -> list[str]:
+        present = available_metrics(self.source, self.features, with_denoiser)
+        if not self.cfg.metrics:
+            return present
+        unknown = [m for m in self.cfg.metrics if m not in present]
+        if unknown:
+            raise ConfigError(f"eval.metrics: {unknown[0]!r} does not apply here; choose from {', '.join(present)}")
+        return list(self.cfg.metrics)
+
+    def reference(self) -> dict:
+        """The data's feature statistics (cached on disk), a fixed subset's features, and its class shares."""
+        if self._reference is None:
+            fingerprint = data_fingerprint(self.source)
+            path = cache_dir() / "stats" / f"{fingerprint[:16]}-{self.features.name}.npz"
+            if path.exists():
+                stats = metrics.GaussianStats.load(path)
+            else:
+                stats = metrics.feature_stats(self.features.of_source(self.source, self.progress))
+                path.parent.mkdir(parents=True, exist_ok=True)
+                stats.save(path)
+            g = torch.Generator().manual_seed(self.seed)
+            subset = torch.randperm(len(self.source), generator=g)[:REFERENCE_MAX].sort().values.tolist()
+            x, y = self.source.get(subset)
+            self._reference = {"stats": stats, "features": self.features(x), "x": x, "labels": y}
+        return self._reference
+
+    @torch.no_grad()
+    def __call__(self, samples, denoiser: Denoiser | None = None) -> dict:
+        """samples: an iterable of batches (x, labels or None). Returns {metric: value}."""
+        names = self.metrics(with_denoiser=denoiser is not None)
+        feats, predicted, kept, asked = [], [], [], []
+        for x, labels in samples:
+            feats.append(self.features(x))
+            if isinstance(self.features, ClassifierFeatures):
+                predicted.append(self.features.predict(x))
+            if isinstance(self.source, GMMSource):
+                kept.append(x)
+            if labels is not None:
+                asked.append(labels)
+        feats = torch.cat(feats)
+        ref = self.reference()
+        out = {"num_samples": len(feats), "features": self.features.name}
+        if "fd" in names:
+            out["fd"] = metrics.frechet_distance(metrics.feature_stats(feats), ref["stats"])
+        if "kid" in names:
+            out["kid"], out["kid_se"] = metrics.kid(ref["features"], feats, seed=self.seed)
+        if "precision_recall" in names:
+            out["precision"], out["recall"] = metrics.precision_recall(ref["features"], feats)
+        if "coverage" in names:
+            predicted = torch.cat(predicted)
+            coverage = metrics.class_coverage(predicted, ref["labels"], self.source.num_classes)
+            out["coverage_tv"], out["coverage"] = coverage["total_variation"], coverage
+            if asked:  # a conditional model: how often the classifier sees the class that was asked for
+                out["label_accuracy"] = (predicted == torch.cat(asked)).double().mean().item()
+        if isinstance(self.source, GMMSource):
+            gmm, x = self.source.mixture, torch.cat(kept).double()
+            if "nll" in names:
+                out["nll"] = exact.mean_nll(gmm, x)
+                out["nll_data"] = exact.mean_nll(gmm, ref["x"].double())  # the same measure on the data
+            if "swd" in names:
+                out["swd"] = exact.sliced_wasserstein(x, ref["x"].double(), seed=self.seed)
+            if "mode_mass" in names:
+                mass = exact.mode_mass(gmm, x)
+                out["mode_mass_error"], out["mode_mass"] = mass["max_abs_error"], mass["mass"]
+            if "velocity_mse" in names:
+                out["velocity_mse"] = exact.velocity_error(denoiser, gmm, seed=self.seed)
+        return out
+
+
+def generated(denoiser: Denoiser, shape: tuple, num: int, opts: SampleConfig, seed: int, num_classes: int,
+              progress: bool = False):
+    """Batches of (samples, labels) from the per-sample noise stream; images clamped to the data range."""
+    labels = sample_labels(num, num_classes)
+    bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
+    for lo in range(0, num, opts.batch_size):
+        n = min(opts.batch_size, num - lo)
+        batch_labels = None if labels is None else labels[lo:lo + n]
+        x = generate(denoiser, shape, n, opts, seed, batch_labels, first=lo)
+        bar.update(n)
+        yield (x.clamp(-1, 1) if len(shape) == 3 else x), batch_labels
+    bar.close()
+
+
+def from_file(path: Path, batch: int = 512):
+    """Batches of (x, y) from a samples.npz written by `islands sample` (read without unpickling)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            x, y = torch.from_numpy(data["x"]).float(), torch.from_numpy(data["y"]) if "y" in data else None
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"cannot read samples file {path}: {err}") from None
+    for lo in range(0, len(x), batch):
+        yield x[lo:lo + batch], None if y is None else y[lo:lo + batch]
+
+
+def find_run(path: Path) -> Path:
+    """The run directory a samples.npz came from: the nearest parent holding config.yaml and model.json."""
+    for parent in [path.parent, *path.parents]:
+        if (parent / "config.yaml").is_file() and (parent / "model.json").is_file():
+            return parent
+    raise CheckpointError(f"{path}: no run directory above it; pass --run RUN_DIR to name the data to compare with")
+
+
+def evaluate_target(target: Path, num: int | None = None, steps: int | None = None, metric_names=None,
+                    features: str | None = None, batch_size: int | None = None, run_dir: Path | None = None,
+                    progress: bool = True) -> tuple[dict, Path]:
+    """Evaluate a run directory (generating `num` samples) or a samples.npz; add the result to metrics.json."""
+    target = Path(target)
+    is_file = target.suffix == ".npz"
+    if not target.exists():
+        raise CheckpointError(f"{target} does not exist")
+    run = Path(run_dir) if run_dir else (find_run(target) if is_file else target)
+    cfg, info = describe_run(run)
+    updates = {k: v for k, v in {"metrics": metric_names, "features": features}.items() if v is not None}
+    eval_cfg = revalidate(cfg.eval, "eval", **updates)
+    source = build_data(cfg.data, cfg.seed)
+    evaluator = Evaluator(source, eval_cfg, cfg.seed, progress)
+    if is_file:
+        result = evaluator(from_file(target))
+        key, out = target.name, target.parent / "metrics.json"
+    else:
+        denoiser, cfg, info = load_denoiser(run)
+        opts = cfg.sample.model_copy(update={k: v for k, v in {"steps": steps, "batch_size": batch_size}.items()
+                                             if v is not None})
+        num = num or eval_cfg.num
+        batches = generated(denoiser, tuple(info["shape"]), num, opts, cfg.seed, info["num_classes"], progress)
+        result = evaluator(batches, denoiser)
+        images = int(latest_checkpoint(run).name)
+        key = f"images={images} num={num} steps={opts.steps} solver={opts.solver} guidance={opts.guidance}"
+        out = run / "metrics.json"
+    return record(out, key, result), out
+
+
+def record(path: Path, key: str, result: dict) -> dict:
+    """Add one evaluation to metrics.json under `key`, keeping the others (written whole, then renamed)."""
+    found = json.loads(path.read_text()) if path.exists() else {}
+    found[key] = result
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(found, indent=1))
+    tmp.replace(path)
+    return result
+
+
+def format_table(result: dict) -> str:
+    rows = [(k, f"{v:.6g}" if isinstance(v, float) else str(v)) for k, v in result.items()
+            if isinstance(v, (int, float, str))]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

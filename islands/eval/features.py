@@ -1,0 +1,184 @@
+"""Feature networks behind one interface: `features(x) -> [N, D]` for images x in [-1, 1].
+
+- `Pixels`: the flattened values (also what vectors of a Gaussian mixture are compared on).
+- `ClassifierFeatures`: a small CNN that Islands trains on a labelled data set (Fashion-MNIST, MNIST 5k),
+  deterministic from its seed, cached in safetensors beside the hash of the data it learned. Its 128-d
+  penultimate layer stands in for Inception's pool features where no Inception weights can be had; its
+  predictions give per-class coverage.
+- `TorchFeatures`: the user's own extractor (Inception, DINOv2, ...): a function that builds the module,
+  and its weights from a safetensors file, so FID proper works wherever those weights exist.
+"""
+
+import hashlib
+import importlib
+import os
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from islands.config import ConfigError
+from islands.data.sources import Source
+from islands.train.checkpoint import CheckpointError, load_weights, save_weights
+
+BATCH = 512
+
+
+def cache_dir() -> Path:
+    """Where trained classifiers and reference statistics are kept: $ISLANDS_CACHE or ~/.cache/islands."""
+    return Path(os.environ.get("ISLANDS_CACHE", Path.home() / ".cache" / "islands"))
+
+
+def data_fingerprint(source: Source) -> str:
+    """sha256 of every example and label, in order: what the classifier and the statistics were made of."""
+    digest = hashlib.sha256(f"{len(source)}:{tuple(source.shape)}".encode())
+    for lo in range(0, len(source), 4096):
+        x, y = source.get(list(range(lo, min(len(source), lo + 4096))))
+        digest.update(x.float().contiguous().numpy().tobytes())
+        if y is not None:
+            digest.update(y.long().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class Features(ABC):
+    name: str  # names the reference statistics computed with it
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @torch.no_grad()
+    def of_source(self, source: Source, progress: bool = False) -> torch.Tensor:
+        out = []
+        for lo in tqdm(range(0, len(source), BATCH), disable=not progress, desc=f"{self.name} features", unit="batch"):
+            out.append(self(source.get(list(range(lo, min(len(source), lo + BATCH))))[0]))
+        return torch.cat(out)
+
+
+class Pixels(Features):
+    name = "pixels"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1).float()
+
+
+class Classifier(nn.Module):
+    """Three convolutions (the last two stride 2), global average pooling: 128 features, then a linear head."""
+
+    def __init__(self, channels: int, num_classes: int, width: int = 32, dim: int = 128):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, width, 3, padding=1), nn.GroupNorm(8, width), nn.SiLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.GroupNorm(8, 2 * width), nn.SiLU(),
+            nn.Conv2d(2 * width, dim, 3, stride=2, padding=1), nn.GroupNorm(8, dim), nn.SiLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class ClassifierFeatures(Features):
+    def __init__(self, net: Classifier, fingerprint: str, seed: int):
+        self.net = net.eval()
+        self.name = f"classifier-{fingerprint[:16]}-seed{seed}"
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net.body(x.float())
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.float()).argmax(1)
+
+
+def train_classifier(source: Source, seed: int = 0, epochs: int = 2, batch: int = 128, lr: float = 2e-3,
+                     progress: bool = False) -> Classifier:
+    """Cross-entropy with AdamW; the initial weights and the order of examples come from `seed` alone."""
+    if not source.num_classes or len(source.shape) != 3:
+        raise ConfigError(f"eval.features: 'classifier' needs labelled images; {source!r} has none")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        net = Classifier(source.shape[0], source.num_classes)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr)
+    steps = epochs * (len(source) // batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
+    bar = tqdm(total=steps, disable=not progress, desc="training the feature classifier", unit="step")
+    for _ in range(epochs):
+        order = torch.randperm(len(source), generator=gen)
+        for lo in range(0, len(source) - batch + 1, batch):
+            x, y = source.get(order[lo:lo + batch].tolist())
+            loss = F.cross_entropy(net(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            bar.update()
+    bar.close()
+    return net.eval()
+
+
+def accuracy(net: Classifier, source: Source) -> float:
+    features = ClassifierFeatures(net, "", 0)
+    correct = 0
+    for lo in range(0, len(source), BATCH):
+        x, y = source.get(list(range(lo, min(len(source), lo + BATCH))))
+        correct += int((features.predict(x) == y).sum())
+    return correct / len(source)
+
+
+def load_classifier(source: Source, seed: int = 0, epochs: int = 2, progress: bool = False) -> ClassifierFeatures:
+    """The classifier for this exact data (by hash) and seed: from the cache, or trained and cached."""
+    fingerprint = data_fingerprint(source)
+    path = cache_dir() / "classifiers" / f"{fingerprint[:16]}-seed{seed}-epochs{epochs}.safetensors"
+    with torch.random.fork_rng():  # evaluating during training must not move the run's random numbers
+        net = Classifier(source.shape[0], source.num_classes)
+    if path.exists():
+        with safe_open(str(path), "pt") as f:
+            cached_for = (f.metadata() or {}).get("data_sha256")
+        if cached_for == fingerprint:
+            net.load_state_dict(load_weights(path))
+            return ClassifierFeatures(net, fingerprint, seed)
+    net = train_classifier(source, seed, epochs, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_weights(net.state_dict(), tmp, {"data_sha256": fingerprint, "seed": seed, "epochs": epochs})
+    tmp.replace(path)
+    return ClassifierFeatures(net, fingerprint, seed)
+
+
+class TorchFeatures(Features):
+    """A user's feature network: called on x in [-1, 1], resized to `size` and repeated to `channels`."""
+
+    def __init__(self, net: nn.Module, name: str, size: int | None = None, channels: int | None = None):
+        self.net, self.name, self.size, self.channels = net.eval(), name, size, channels
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if self.channels and x.shape[1] != self.channels:
+            x = x.expand(-1, self.channels, -1, -1) if x.shape[1] == 1 else x[:, :self.channels]
+        if self.size and x.shape[-1] != self.size:
+            x = F.interpolate(x, size=(self.size, self.size), mode="bilinear", align_corners=False)
+        return self.net(x).flatten(1)
+
+
+def load_torch_features(factory: str, weights: str | Path, size: int | None = None,
+                        channels: int | None = None) -> TorchFeatures:
+    """`factory` is 'package.module:function' returning the module; `weights` a safetensors file."""
+    module_name, _, function = factory.partition(":")
+    try:
+        build = getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"eval.feature_net: cannot import {factory!r} ({err})") from None
+    net = build()
+    state = load_weights(Path(weights))  # safetensors only: an extractor's weights are never unpickled
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{weights} does not fit {factory}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    digest = hashlib.sha256(Path(weights).read_bytes()).hexdigest()
+    return TorchFeatures(net, f"torch-{function}-{digest[:16]}", size, channels)

@@ -1,0 +1,170 @@
+"""Feature networks, `islands eval` and training-time evaluation (the metrics themselves: test_metrics.py)."""
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from islands.cli import main
+from islands.config import EvalConfig, validate
+from islands.data.sources import FASHION_MNIST_DIR, FashionMnist, Source
+from islands.eval import metrics
+from islands.eval.evaluate import Evaluator
+from islands.eval.features import Pixels, load_classifier, load_torch_features, train_classifier
+from islands.train.checkpoint import CheckpointError, latest_checkpoint, load_weights, save_weights
+from islands.train.logbook import read_metrics
+from islands.train.loop import train
+
+class Subset(Source):
+    def __init__(self, source: Source, n: int, noise: float = 0.0, uniform: bool = False):
+        self.source, self.n, self.noise, self.uniform = source, n, noise, uniform
+        self.shape, self.num_classes, self.flip = source.shape, source.num_classes, False
+
+    def __len__(self):
+        return self.n
+
+    def get(self, indices):
+        x, y = self.source.get(indices)
+        g = torch.Generator().manual_seed(len(indices))
+        if self.uniform:
+            x = torch.rand(x.shape, generator=g) * 2 - 1
+        elif self.noise:
+            x = (x + self.noise * torch.randn(x.shape, generator=g)).clamp(-1, 1)
+        return x, y
+
+
+@pytest.fixture(scope="module")
+def fashion():
+    if not Path(FASHION_MNIST_DIR).is_dir():
+        pytest.skip("dataset-fashion-mnist absent (make test installs it where it can)")
+    return Subset(FashionMnist(split="train"), 6000), FashionMnist(split="test")
+
+
+def test_classifier_features_separate_real_images_from_noise(fashion):
+    train_set, test_set = fashion
+    features = load_classifier(train_set, seed=0, epochs=1)
+    reference = metrics.feature_stats(features.of_source(train_set))
+
+    def fd(source):
+        return metrics.frechet_distance(metrics.feature_stats(features.of_source(source)), reference)
+
+    clean, noisy, uniform = fd(Subset(test_set, 2000)), fd(Subset(test_set, 2000, noise=0.5)), \
+        fd(Subset(test_set, 2000, uniform=True))
+    assert clean * 10 < uniform and clean < noisy < uniform, (clean, noisy, uniform)
+    acc = (features.predict(test_set.get(list(range(2000)))[0]) == test_set.get(list(range(2000)))[1]).double()
+    assert acc.mean() > 0.5  # chance is 0.1; 47 steps of training (the default, 2 epochs of 60k, reaches ~0.9)
+
+
+def test_the_classifier_is_deterministic_and_cached_by_data_hash(tmp_path, monkeypatch):
+    monkeypatch.setenv("ISLANDS_CACHE", str(tmp_path))
+    rng = np.random.default_rng(0)
+    from islands.data.sources import _ArraySource
+
+    data = _ArraySource(torch.from_numpy(rng.uniform(-1, 1, (512, 1, 8, 8)).astype(np.float32)),
+                        torch.arange(512) % 4, 4)
+    a, b = train_classifier(data, seed=1, epochs=1), train_classifier(data, seed=1, epochs=1)
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+    first = load_classifier(data, seed=1, epochs=1)
+    cached = list((tmp_path / "classifiers").glob("*.safetensors"))
+    assert len(cached) == 1
+    again = load_classifier(data, seed=1, epochs=1)  # read back, not retrained
+    x = data.get(list(range(16)))[0]
+    assert torch.equal(first(x), again(x)) and first.name == again.name
+    data.data[0] += 0.5  # other data: another hash, another classifier
+    load_classifier(data, seed=1, epochs=1)
+    assert len(list((tmp_path / "classifiers").glob("*.safetensors"))) == 2
+
+
+def tiny_extractor():
+    """A user's feature network, as `islands eval` imports it: 'test_eval:tiny_extractor'."""
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1))
+
+
+def test_user_feature_networks_load_from_safetensors_and_refuse_pickles(tmp_path):
+    torch.manual_seed(0)
+    net = tiny_extractor()
+    save_weights(net.state_dict(), tmp_path / "ext.safetensors")
+    features = load_torch_features("test_eval:tiny_extractor", tmp_path / "ext.safetensors", size=16, channels=3)
+    x = torch.rand(5, 1, 8, 8) * 2 - 1
+    expected = net(torch.nn.functional.interpolate(x.expand(-1, 3, -1, -1), size=(16, 16), mode="bilinear"))
+    assert torch.allclose(features(x), expected.flatten(1), atol=1e-6)
+    (tmp_path / "evil.safetensors").write_bytes(pickle.dumps({"w": 1}))
+    with pytest.raises(CheckpointError, match="evil.safetensors"):
+        load_torch_features("test_eval:tiny_extractor", tmp_path / "evil.safetensors")
+
+
+def gmm_config(run_dir, **eval_keys) -> dict:
+    return {"run_dir": str(run_dir), "seed": 5,
+            "data": {"source": "gmm", "means": [[1.0, 0.0], [-1.0, 1.0], [0.0, -1.5]], "std": 0.2, "size": 2048},
+            "model": {"arch": "mlp", "hidden": 32, "depth": 2},
+            "train": {"images": 1280, "batch_size": 64, "lr": 2e-3, "ema_halflife_images": 200,
+                      "checkpoint_every": 640, "log_every": 640},
+            "sample": {"num": 16, "steps": 4, "solver": "euler"},
+            "eval": {"num": 300, **eval_keys}}
+
+
+@pytest.fixture(scope="module")
+def gmm_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gmm")
+    plain = train(validate(gmm_config(root / "plain")), progress=False)
+    evaluated = train(validate(gmm_config(root / "evaluated", every=640)), progress=False)
+    return plain, evaluated
+
+
+def test_evaluating_during_training_logs_metrics_and_leaves_the_trajectory_alone(gmm_run):
+    plain, evaluated = gmm_run
+    records = read_metrics(evaluated, "eval")
+    assert [r["images"] for r in records] == [640, 1280]
+    for r in records:
+        assert len(r["val_loss_by_t"]) == 8 and r["val_loss"] == pytest.approx(np.mean(r["val_loss_by_t"]))
+        assert {"fd", "kid", "precision", "recall", "nll", "swd", "mode_mass_error", "velocity_mse"} <= set(r)
+    a = load_weights(latest_checkpoint(plain) / "model.safetensors")
+    b = load_weights(latest_checkpoint(evaluated) / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_islands_eval_on_a_run_and_on_its_samples_file(gmm_run, tmp_path, capsys):
+    run, _ = gmm_run
+    assert main(["eval", str(run), "--num", "200", "--batch-size", "64", "--quiet"]) == 0
+    table = capsys.readouterr().out
+    assert "velocity_mse" in table and "metrics.json" in table
+    first = json.loads((run / "metrics.json").read_text())
+    assert main(["eval", str(run), "--num", "200", "--batch-size", "7", "--quiet", "--metrics", "fd", "swd"]) == 0
+    entries = json.loads((run / "metrics.json").read_text())
+    assert len(entries) == 1  # the same evaluation, replaced; other keys would be kept beside it
+    (key, small_batches), = entries.items()
+    (_, big_batches), = first.items()
+    assert small_batches["fd"] == pytest.approx(big_batches["fd"], rel=1e-5)  # batch size changes nothing
+    assert set(small_batches) >= {"fd", "swd"} and "kid" not in small_batches
+
+    out = tmp_path / "samples"
+    assert main(["sample", str(run), "--num", "200", "--out", str(out), "--quiet"]) == 0
+    assert main(["eval", str(out / "samples.npz"), "--run", str(run), "--quiet", "--metrics", "fd", "nll"]) == 0
+    from_file = json.loads((out / "metrics.json").read_text())["samples.npz"]
+    assert from_file["fd"] == pytest.approx(big_batches["fd"], rel=1e-5)  # the same 200 samples
+
+
+def test_islands_eval_names_bad_targets_and_metrics(gmm_run, tmp_path, capsys):
+    run, _ = gmm_run
+    assert main(["eval", str(tmp_path), "--quiet"]) == 2
+    assert str(tmp_path) in capsys.readouterr().err
+    assert main(["eval", str(run), "--metrics", "coverage", "--quiet"]) == 2
+    assert "eval.metrics: 'coverage'" in capsys.readouterr().err
+    (tmp_path / "samples.npz").write_bytes(b"not an npz")
+    assert main(["eval", str(tmp_path / "samples.npz"), "--run", str(run), "--quiet"]) == 2
+    assert "samples.npz" in capsys.readouterr().err
+
+
+def test_an_evaluator_on_pixels_scores_the_data_against_itself_near_zero():
+    from islands.data.gmm import GMMSource
+
+    source = GMMSource([[2.0, 0.0], [-2.0, 0.0]], 0.3, size=4000, seed=0)
+    evaluator = Evaluator(source, EvalConfig(metrics=["fd", "nll", "mode_mass"]), seed=0)
+    fresh = GMMSource([[2.0, 0.0], [-2.0, 0.0]], 0.3, size=4000, seed=1)
+    result = evaluator([(fresh.x, None)])
+    assert result["fd"] < 0.01 and result["mode_mass_error"] < 0.03
+    assert result["nll"] == pytest.approx(result["nll_data"], abs=0.05)
+    assert isinstance(evaluator.features, Pixels)
