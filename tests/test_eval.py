@@ -158,9 +158,10 @@ def test_islands_eval_names_bad_targets_and_metrics(gmm_run, tmp_path, capsys):
     assert "samples.npz" in capsys.readouterr().err
 
 
-def test_an_evaluator_on_pixels_scores_the_data_against_itself_near_zero():
+def test_an_evaluator_on_pixels_scores_the_data_against_itself_near_zero(tmp_path, monkeypatch):
     from islands.data.gmm import GMMSource
 
+    monkeypatch.setenv("ISLANDS_CACHE", str(tmp_path))
     source = GMMSource([[2.0, 0.0], [-2.0, 0.0]], 0.3, size=4000, seed=0)
     evaluator = Evaluator(source, EvalConfig(metrics=["fd", "nll", "mode_mass"]), seed=0)
     fresh = GMMSource([[2.0, 0.0], [-2.0, 0.0]], 0.3, size=4000, seed=1)
@@ -168,3 +169,9 @@ def test_an_evaluator_on_pixels_scores_the_data_against_itself_near_zero():
     assert result["fd"] < 0.01 and result["mode_mass_error"] < 0.03
     assert result["nll"] == pytest.approx(result["nll_data"], abs=0.05)
     assert isinstance(evaluator.features, Pixels)
+    # the data's statistics are cached per data set and feature network, and read back the same
+    cached, = (tmp_path / "stats").glob("*-pixels.npz")
+    again = Evaluator(source, EvalConfig(metrics=["fd"]), seed=0)([(fresh.x, None)])
+    assert again["fd"] == result["fd"]
+    metrics.GaussianStats(np.zeros(2), np.eye(2), 2).save(cached)  # what a stale cache would hold
+    assert Evaluator(source, EvalConfig(metrics=["fd"]), seed=0)([(fresh.x, None)])["fd"] != result["fd"]
