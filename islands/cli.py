@@ -15,7 +15,20 @@ Rerunning the same command resumes from the last complete checkpoint."""
 def _train(args) -> int:
     from islands.train.loop import train, run_summary
 
-    cfg = load_config(args.config, args.overrides)
+    role = [o for o in args.overrides if o == "router" or o.startswith("expert=")]
+    cfg = load_config(args.config, [o for o in args.overrides if o not in role])
+    if role:  # a member of a decentralized model, derived from the ensemble's config
+        from islands.ddm.runs import expert_config, router_config
+
+        if len(role) > 1:
+            raise ConfigError(f"train: give one of expert=K and router, not {' '.join(role)}")
+        if role[0] == "router":
+            cfg = router_config(cfg)
+        else:
+            try:
+                cfg = expert_config(cfg, int(role[0].split("=", 1)[1]))
+            except ValueError:
+                raise ConfigError(f"expert: {role[0]!r} is not expert=K with K a number") from None
     run_dir = train(cfg, progress=not args.quiet)
     print(run_summary(run_dir))
     return 0
@@ -26,6 +39,10 @@ def _sample(args) -> int:
 
     from islands.generate import generate, load_denoiser, sample_labels, write_samples
 
+    if (Path(args.run_dir) / "ensemble.json").exists():
+        return _sample_ensemble(args)
+    if args.routing or args.max_loaded:
+        raise ConfigError(f"--routing: {args.run_dir} is not an ensemble directory (no ensemble.json)")
     denoiser, cfg, info = load_denoiser(Path(args.run_dir), use_ema=not args.no_ema)
     opts = cfg.sample.model_copy(update={k: v for k, v in {
         "steps": args.steps, "solver": args.solver, "grid": args.grid, "guidance": args.guidance,
@@ -40,6 +57,61 @@ def _sample(args) -> int:
     x = generate(denoiser, tuple(info["shape"]), args.num, opts, seed, labels, progress=not args.quiet)
     for path in write_samples(x, labels, Path(args.out)):
         print(f"wrote {path}")
+    return 0
+
+
+def _sample_ensemble(args) -> int:
+    import torch
+
+    from islands.ddm.ensemble import load_ensemble, oracle_clusters
+    from islands.flow.samplers import evaluations_per_sample
+    from islands.generate import generate, sample_labels, write_samples
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = load_config(Path(args.run_dir) / "config.yaml")
+    mixture, manifest = load_ensemble(Path(args.run_dir), args.routing or "top1", args.max_loaded, cfg.seed)
+    shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)  # load_ensemble ensured one
+    num_classes = cfg.model.num_classes
+    opts = cfg.sample.model_copy(update={k: v for k, v in {
+        "steps": args.steps, "solver": args.solver, "grid": args.grid, "guidance": args.guidance,
+        "batch_size": args.batch_size}.items() if v is not None})
+    seed = cfg.seed if args.seed is None else args.seed
+    labels = sample_labels(args.num, num_classes, args.class_label)
+    oracle = (args.routing or "").startswith("oracle")
+    prepare = (lambda lo, hi: mixture.assign(oracle_clusters(manifest["prior"], seed, lo, hi - lo))) if oracle else None
+    x = generate(mixture, shape, args.num, opts, seed, labels, progress=not args.quiet, prepare=prepare)
+    for path in write_samples(x, labels, Path(args.out)):
+        print(f"wrote {path}")
+    one_model = evaluations_per_sample(opts.solver, opts.steps, opts.guidance if labels is not None else 1.0)
+    print(f"expert evaluations per sample: {mixture.evaluations / args.num:.1f} "
+          f"({args.routing or 'top1'} routing; one model would take {one_model})")
+    return 0
+
+
+def _partition(args) -> int:
+    from islands.ddm.pipeline import run_partition
+    from islands.ddm.runs import partition_dir
+
+    cfg = load_config(args.config, args.overrides)
+    made = run_partition(cfg, progress=not args.quiet)
+    print(f"{made.k} clusters ({made.method}, {made.features_name}) of sizes {made.sizes}")
+    print(f"wrote {partition_dir(cfg)} (partition.json, assignments.npz, clusters.png)")
+    return 0
+
+
+def _ddm(args) -> int:
+    from islands.ddm.pipeline import emit_scripts, run_ddm
+
+    cfg = load_config(args.config, args.overrides)
+    if args.emit:
+        for path in emit_scripts(cfg, Path(args.config), args.emit):
+            print(f"wrote {path}")
+        return 0
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs: {args.jobs} must be at least 1")
+    run_ddm(cfg, Path(args.config), args.jobs, progress=not args.quiet)
+    print(f"ensemble: {cfg.run_dir} (ensemble.json, samples/, metrics.json)")
     return 0
 
 
@@ -86,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="samples per batch; does not change the samples")
     p.add_argument("--threads", type=int, help="torch threads")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
+    p.add_argument("--routing", help="ensembles only: full, top1 (default), topk:K, threshold:P, sample or oracle")
+    p.add_argument("--max-loaded", type=int, help="ensembles only: keep at most this many experts in memory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_sample)
 
@@ -107,6 +181,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_eval)
+
+    p = sub.add_parser("partition", help="cluster the data for a decentralized model (ddm.k experts)",
+                       description="Extract features, cluster the data in two stages (fine centroids, then ddm.k "
+                                   "coarse clusters over them) and write RUN_DIR/partition (partition.json, "
+                                   "assignments.npz, clusters.png).")
+    p.add_argument("config", help="YAML config with a ddm section; its run_dir is the ensemble directory")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_partition)
+
+    p = sub.add_parser("ddm", help="partition, experts, router, samples and metrics of a decentralized model",
+                       description="Run every step of a Decentralized Diffusion Model on this machine, skipping "
+                                   "steps already complete (rerunning continues), or write launch scripts.")
+    p.add_argument("config", help="YAML config with a ddm section; its run_dir is the ensemble directory")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
+    p.add_argument("--jobs", type=int, default=1, help="experts trained at once, the cores split between them")
+    p.add_argument("--emit", choices=["torchrun", "slurm"],
+                   help="write one launch script per island into RUN_DIR/launch instead of running")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=_ddm)
     return parser
 
 

@@ -47,14 +47,18 @@ class DataConfig(Section):
     size: int = Field(50_000, gt=0)
     flip: bool | None = None  # None: the source's own default (flip natural images only)
     workers: int = Field(0, ge=0)
+    # Written by `islands ddm` into the runs it derives: a partition folder, and the cluster an expert keeps
+    # (None: every example, labelled with its cluster, for the router).
+    partition: str | None = None
+    cluster: int | None = Field(None, ge=0)
 
     kind_key: ClassVar[str] = "source"
     used_by: ClassVar[dict[str, set[str]]] = {
-        "mnist5k": {"flip", "workers", "resolution"},
-        "fashion_mnist": {"flip", "workers", "path", "split", "resolution"},
-        "folder": {"flip", "workers", "path", "resolution", "channels"},
-        "npz": {"flip", "workers", "path", "key", "label_key", "resolution"},
-        "gmm": {"flip", "workers", "means", "std", "weights", "size"},
+        "mnist5k": {"flip", "workers", "resolution", "partition", "cluster"},
+        "fashion_mnist": {"flip", "workers", "path", "split", "resolution", "partition", "cluster"},
+        "folder": {"flip", "workers", "path", "resolution", "channels", "partition", "cluster"},
+        "npz": {"flip", "workers", "path", "key", "label_key", "resolution", "partition", "cluster"},
+        "gmm": {"flip", "workers", "means", "std", "weights", "size", "partition", "cluster"},
     }
 
     @model_validator(mode="after")
@@ -73,7 +77,7 @@ class DataConfig(Section):
 
 
 class ModelConfig(Section):
-    arch: Literal["unet", "dit", "mlp"] = "unet"
+    arch: Literal["unet", "dit", "mlp", "router"] = "unet"
     num_classes: int = Field(0, ge=0)  # 0: unconditional; else must match the data's labels
     # U-Net
     channels: int = Field(64, gt=0)
@@ -90,8 +94,10 @@ class ModelConfig(Section):
     mlp_ratio: float = Field(4.0, gt=0)
     # DiT and MLP
     depth: int | None = Field(None, gt=0)
-    # MLP
+    # MLP (and the router on vectors)
     hidden: int = Field(256, gt=0)
+    # router: a classifier of noised examples into `outputs` clusters
+    outputs: int = Field(2, gt=1)
 
     kind_key: ClassVar[str] = "arch"
     used_by: ClassVar[dict[str, set[str]]] = {
@@ -99,6 +105,7 @@ class ModelConfig(Section):
                  "num_heads"},
         "dit": {"num_classes", "num_heads", "preset", "patch_size", "hidden_size", "mlp_ratio", "depth"},
         "mlp": {"num_classes", "depth", "hidden"},
+        "router": {"num_classes", "depth", "hidden", "hidden_size", "num_heads", "patch_size", "outputs"},
     }
 
     @model_validator(mode="after")
@@ -143,6 +150,7 @@ class TrainConfig(Section):
     log_every: int = Field(1_000, gt=0)
     max_nonfinite: int = Field(5, gt=0)  # consecutive skipped steps before the run stops
     threads: int | None = Field(None, gt=0)  # torch intra-op threads; None leaves torch's default
+    objective: Literal["diffusion", "router"] = "diffusion"  # router: classify noised examples by cluster
 
     @model_validator(mode="after")
     def _check(self):
@@ -174,6 +182,32 @@ class EvalConfig(Section):
     val_times: int = Field(8, gt=0)  # stratified times t = (k + 0.5) / val_times at which each is scored
 
 
+class PartitionConfig(Section):
+    method: Literal["kmeans", "random", "label"] = "kmeans"  # label: the oracle by class, for comparison
+    features: Literal["pixels", "classifier", "torch"] = "pixels"  # torch: as eval.feature_net/weights
+    pca_dim: int | None = Field(64, gt=0)  # None: cluster the features as they are
+    fine: int = Field(1024, gt=1)  # fine k-means centroids, then K coarse clusters over them
+    balanced: bool = True
+
+
+class RouterConfig(Section):
+    hidden_size: int = Field(128, gt=0)  # images: a small DiT encoder
+    depth: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    patch_size: int = Field(4, gt=0)
+    hidden: int = Field(128, gt=0)  # vectors: a residual MLP
+    images: int = Field(20_000, gt=0)
+    batch_size: int = Field(64, gt=0)
+    lr: float = Field(5e-4, gt=0)
+
+
+class DDMConfig(Section):
+    k: int = Field(0, ge=0)  # experts; 0: not a decentralized run
+    partition: PartitionConfig = PartitionConfig()
+    router: RouterConfig = RouterConfig()
+    expert_batch: int | None = Field(None, gt=0)  # None: compute parity, train.batch_size / k
+
+
 class ParallelConfig(Section):
     strategy: Literal["none", "ddp", "zero1", "zero2", "fsdp"] = "none"
     timeout_s: float = Field(600.0, gt=0)  # a collective that waits longer fails every rank
@@ -190,6 +224,7 @@ class Config(Section):
     sample: SampleConfig = SampleConfig()
     parallel: ParallelConfig = ParallelConfig()
     eval: EvalConfig = EvalConfig()
+    ddm: DDMConfig = DDMConfig()
 
 
 # Keys a resume may change: they alter how long, how often, on how many ranks and in how many micro-batches,

@@ -66,13 +66,17 @@ def sample_labels(num: int, num_classes: int, class_label: int | None = None) ->
 @torch.no_grad()
 def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleConfig, seed: int,
              labels: torch.Tensor | None = None, first: int = 0, progress: bool = False,
-             device: torch.device | str = "cpu") -> torch.Tensor:
-    """Samples first .. first + num - 1 of the stream keyed on `seed`, in batches of opts.batch_size."""
+             device: torch.device | str = "cpu", prepare=None) -> torch.Tensor:
+    """Samples first .. first + num - 1 of the stream keyed on `seed`, in batches of opts.batch_size.
+    `prepare(lo, hi)`, if given, is called before the samples lo .. hi - 1 are drawn (e.g. to fix each
+    sample's expert for oracle routing)."""
     out = []
     bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
     for lo in range(0, num, opts.batch_size):
         hi = min(num, lo + opts.batch_size)
         noise = streams.normal(seed, list(range(first + lo, first + hi)), shape, "sample").to(device)
+        if prepare is not None:
+            prepare(first + lo, first + hi)
         cond = None if labels is None else labels[lo:hi].to(device)
         x = sample(denoiser, noise, steps=opts.steps, solver=opts.solver, grid=opts.grid,
                    guidance=opts.guidance, cond=cond)

@@ -34,14 +34,38 @@ def save_grid(x: torch.Tensor, path: Path, nrow: int | None = None, pad: int = 2
     return path
 
 
-def save_scatter(x: torch.Tensor, path: Path, reference: torch.Tensor | None = None, title: str = "") -> Path:
-    """First two coordinates of vector samples, over reference data in grey."""
+def _pyplot():
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 5), dpi=100)
+    return plt
+
+
+def _save_figure(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+    _pyplot().close(fig)
+    return path
+
+
+def save_curve(x, y, path: Path, xlabel: str, ylabel: str, title: str = "") -> Path:
+    """One line plot, e.g. a router's accuracy against t."""
+    fig, ax = _pyplot().subplots(figsize=(5, 3.5), dpi=100)
+    ax.plot(x, y, marker="o")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    return _save_figure(fig, path)
+
+
+def save_scatter(x: torch.Tensor, path: Path, reference: torch.Tensor | None = None, title: str = "") -> Path:
+    """First two coordinates of vector samples, over reference data in grey."""
+    fig, ax = _pyplot().subplots(figsize=(5, 5), dpi=100)
     if reference is not None:
         r = reference.float().cpu().numpy()
         ax.scatter(r[:, 0], r[:, 1], s=2, c="0.75", label="data")
@@ -50,11 +74,7 @@ def save_scatter(x: torch.Tensor, path: Path, reference: torch.Tensor | None = N
     ax.set_aspect("equal")
     ax.legend(loc="upper right")
     ax.set_title(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path)
 
 
 def save_samples_picture(x: torch.Tensor, path: Path, reference: torch.Tensor | None = None, title: str = "") -> Path:

@@ -1,11 +1,20 @@
 """Data sources, the Gaussian-mixture source, and the stream-ordered loader."""
 
+from islands.data.clusters import ClusterLabelled, ClusterSubset, read_clusters
 from islands.data.gmm import GaussianMixture, GMMSource
 from islands.data.sources import DataError, Source, build_source
 
 
 def build_data(cfg, seed: int) -> Source:
-    """The source a `DataConfig` names, with only the options that source takes."""
+    """The source a `DataConfig` names, with only the options that source takes, seen through its partition."""
+    source = _build_source(cfg, seed)
+    if cfg.partition is None:
+        return source
+    cluster = read_clusters(cfg.partition, len(source))
+    return ClusterLabelled(source, cluster) if cfg.cluster is None else ClusterSubset(source, cluster, cfg.cluster)
+
+
+def _build_source(cfg, seed: int) -> Source:
     if cfg.source == "gmm":
         return GMMSource(cfg.means, cfg.std, cfg.weights, size=cfg.size, seed=seed)
     options = {

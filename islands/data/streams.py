@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 _MASK = (1 << 64) - 1
-PURPOSES = {"noise": 1, "time": 2, "label_drop": 3, "flip": 4, "sample": 5, "order": 6, "validation": 7}
+PURPOSES = {"noise": 1, "time": 2, "label_drop": 3, "flip": 4, "sample": 5, "order": 6, "validation": 7,
+            "oracle": 8}
 
 
 def _splitmix64(z: int) -> int:

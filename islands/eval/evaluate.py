@@ -127,14 +127,15 @@ class Evaluator:
 
 
 def generated(denoiser: Denoiser, shape: tuple, num: int, opts: SampleConfig, seed: int, num_classes: int,
-              progress: bool = False):
-    """Batches of (samples, labels) from the per-sample noise stream; images clamped to the data range."""
+              progress: bool = False, prepare=None):
+    """Batches of (samples, labels) from the per-sample noise stream; images clamped to the data range.
+    `prepare` as in `generate`."""
     labels = sample_labels(num, num_classes)
     bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
     for lo in range(0, num, opts.batch_size):
         n = min(opts.batch_size, num - lo)
         batch_labels = None if labels is None else labels[lo:lo + n]
-        x = generate(denoiser, shape, n, opts, seed, batch_labels, first=lo)
+        x = generate(denoiser, shape, n, opts, seed, batch_labels, first=lo, prepare=prepare)
         bar.update(n)
         yield (x.clamp(-1, 1) if len(shape) == 3 else x), batch_labels
     bar.close()

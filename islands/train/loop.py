@@ -25,7 +25,7 @@ from islands.flow.paths import build_path
 from islands.flow.timesteps import TimeSampler
 from islands.eval.evaluate import Evaluator, generated
 from islands.generate import generate, network_with_weights, sample_labels
-from islands.images import save_samples_picture
+from islands.images import save_curve, save_samples_picture
 from islands.nets import build_network
 from islands.parallel.launch import World, close_world, init_world
 from islands.parallel.strategies import build_strategy
@@ -33,7 +33,9 @@ from islands.train.activation_checkpointing import checkpoint_blocks
 from islands.train.checkpoint import (adam_state, latest_checkpoint, read_sharded, read_state, read_trainer,
                                       write_checkpoint)
 from islands.train.ema import EMA
+from islands.train.flops import flops_per_image, write_flops
 from islands.train.logbook import Logbook
+from islands.train.router import RouterObjective
 
 
 class TrainingStopped(RuntimeError):
@@ -156,7 +158,11 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
     opt = strategy.optimizer(net, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
     ema = EMA(net, cfg.train.ema_halflife_images, cfg.train.ema_rampup) if cfg.train.ema_halflife_images else None
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, enabled=cfg.train.precision == "fp16")
-    objective = DiffusionObjective(cfg, num_classes)
+    diffusion = cfg.train.objective == "diffusion"
+    if diffusion:
+        objective = DiffusionObjective(cfg, num_classes)
+    else:
+        objective = RouterObjective(cfg.seed, cfg.model.outputs, num_classes, cfg.train.label_dropout)
 
     def sharded_state() -> dict:
         """What each rank holds: its shards under FSDP, its optimizer partition under ZeRO-1."""
@@ -189,6 +195,8 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
                                 cfg.train.keep_checkpoints, main, strategy.barrier)
 
     def save_samples() -> None:
+        if not diffusion:
+            return save_router_accuracy()
         # every rank takes part in gathering the weights; rank 0 alone draws
         weights = strategy.full_state_dict((ema if ema is not None else net).state_dict())
         if not main:
@@ -203,6 +211,23 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
 
     evaluator, probe = None, None
 
+    def fixed_probe(size: int):
+        """A fixed random subset of the data (some sources are sorted by class)."""
+        order = torch.randperm(len(source), generator=streams.generator(cfg.seed, 0, "validation"))
+        return source.get(order[:size].tolist())
+
+    def save_router_accuracy() -> None:
+        weights = strategy.full_state_dict((ema if ema is not None else net).state_dict())
+        if not main:
+            return
+        plain = network_with_weights(cfg.model, shape, num_classes, weights, device)
+        x0, labels = fixed_probe(min(len(source), 2000))
+        report = {"images": state.images, **objective.accuracy_by_t(plain, x0.to(device), labels.to(device))}
+        (run_dir / "router_accuracy.json").write_text(json.dumps(report, indent=1))
+        save_curve(report["t"], report["accuracy"], run_dir / "router_accuracy.png", "t (0 data, 1 noise)",
+                   "top-1 accuracy", f"router after {state.images} images; largest cluster "
+                   f"{report['majority_cluster_share']:.2f}")
+
     def evaluate() -> None:
         nonlocal evaluator, probe
         weights = strategy.full_state_dict((ema if ema is not None else net).state_dict())
@@ -211,9 +236,8 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
         plain = network_with_weights(cfg.model, shape, num_classes, weights, device)
         record = {"images": state.images}
         if cfg.eval.val_size:
-            if probe is None:  # a fixed random subset (some sources are sorted by class)
-                order = torch.randperm(len(source), generator=streams.generator(cfg.seed, 0, "validation"))
-                probe = source.get(order[:cfg.eval.val_size].tolist())
+            if probe is None:
+                probe = fixed_probe(cfg.eval.val_size)
             x0, labels = probe
             by_t = objective.validation_loss(plain, x0.to(device), labels.to(device) if num_classes else None,
                                              cfg.eval.val_times)
@@ -234,6 +258,9 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
     params = [p for p in net.parameters() if p.requires_grad]
     window = new_window()
     batch = cfg.train.batch_size
+    if main:
+        micro = batch // (world.size * cfg.train.accumulate)
+        write_flops(run_dir, flops_per_image(cfg, shape, num_classes, objective, micro), run_length)
     net.train()
     try:
         while state.images < cfg.train.images:
@@ -303,7 +330,7 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
                 strategy.barrier()
             if crossed(before, state.images, cfg.train.sample_every) or done:
                 save_samples()
-            if cfg.eval.every and (crossed(before, state.images, cfg.eval.every) or done):
+            if diffusion and cfg.eval.every and (crossed(before, state.images, cfg.eval.every) or done):
                 evaluate()
     finally:
         bar.close()

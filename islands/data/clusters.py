@@ -1,0 +1,56 @@
+"""A data set seen through a partition: one cluster of it (an expert's data), or all of it labelled with
+each example's cluster (the router's data). The partition folder is written by `islands partition`."""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from islands.data.sources import DataError, Source
+
+
+def read_clusters(partition_dir: str | Path, num_examples: int) -> np.ndarray:
+    """The cluster of every example, from assignments.npz (read without unpickling)."""
+    path = Path(partition_dir) / "assignments.npz"
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            cluster = np.asarray(f["cluster"], dtype=np.int64)
+    except (OSError, ValueError, KeyError) as err:
+        raise DataError(f"cannot read partition {path}: {err}; run 'islands partition' first") from None
+    if cluster.shape != (num_examples,):
+        raise DataError(f"partition {path} assigns {cluster.shape[0]} examples, the data has {num_examples}")
+    return cluster
+
+
+class ClusterSubset(Source):
+    """The examples of one cluster, in their original order."""
+
+    def __init__(self, source: Source, cluster: np.ndarray, k: int):
+        self.source, self.indices = source, np.flatnonzero(cluster == k)
+        if len(self.indices) == 0:
+            raise DataError(f"data.cluster: cluster {k} of the partition is empty")
+        self.shape, self.num_classes, self.flip = source.shape, source.num_classes, source.flip
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def get(self, indices):
+        return self.source.get(self.indices[np.asarray(indices, dtype=np.int64)].tolist())
+
+
+class ClusterLabelled(Source):
+    """Every example, its label replaced by class * K + cluster (cluster alone for unlabelled data): the router
+    learns the cluster and may be conditioned on the class, and the loop still carries one label per example."""
+
+    def __init__(self, source: Source, cluster: np.ndarray):
+        self.source, self.cluster = source, torch.from_numpy(cluster)
+        self.num_clusters = int(cluster.max()) + 1
+        self.shape, self.num_classes, self.flip = source.shape, source.num_classes, source.flip
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def get(self, indices):
+        x, y = self.source.get(indices)
+        k = self.cluster[torch.as_tensor(np.asarray(indices, dtype=np.int64))]
+        return x, k if y is None else y * self.num_clusters + k

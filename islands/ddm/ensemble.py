@@ -1,0 +1,133 @@
+"""The ensemble manifest (`ensemble.json`) and loading a routed `Mixture` from it.
+
+Experts arrive from other islands and are treated as untrusted: the manifest (plain JSON) records each
+weights file's sha256, every file is checked against it and opened as safetensors before anything runs,
+and nothing is ever unpickled. An expert that is missing from disk or never finished leaves the ensemble
+usable: the router renormalises over the experts that exist, and a warning names the missing one.
+"""
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors import SafetensorError, safe_open
+
+from islands.config import Config, to_dict, validate
+from islands.ddm.mixture import ExpertSlot, Mixture, PriorRouter
+from islands.ddm.runs import ensemble_dir, expert_dir, partition_dir, router_dir
+from islands.flow.denoiser import NetworkDenoiser
+from islands.generate import network_with_weights
+from islands.nets.router import route
+from islands.train.checkpoint import CheckpointError, latest_checkpoint, load_weights
+
+MANIFEST = "ensemble.json"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _entry(root: Path, run: Path, name: str) -> dict:
+    """One member of the ensemble: where its weights are, their hash, and the conventions it was trained in."""
+    entry = {"name": name, "run": str(run.relative_to(root))}
+    ckpt = latest_checkpoint(run)
+    if ckpt is None:
+        return entry  # never finished (or never started): listed, and skipped when sampling
+    weights = ckpt / "ema.safetensors" if (ckpt / "ema.safetensors").exists() else ckpt / "model.safetensors"
+    cfg = validate(yaml.safe_load((run / "config.yaml").read_text()))
+    info = json.loads((run / "model.json").read_text())
+    entry.update(weights=str(weights.relative_to(root)), sha256=file_sha256(weights), images=int(ckpt.name),
+                 path=cfg.flow.path, prediction=cfg.flow.prediction, model=to_dict(cfg)["model"], **info)
+    return entry
+
+
+def write_manifest(cfg: Config) -> dict:
+    """List the experts and the router of the ensemble that `cfg` describes, as they are on disk now."""
+    root = ensemble_dir(cfg)
+    partition = json.loads((partition_dir(cfg) / "partition.json").read_text())
+    sizes = partition["sizes"]
+    experts = [{**_entry(root, expert_dir(cfg, k), f"expert{k}"), "cluster": k, "size": sizes[k]}
+               for k in range(cfg.ddm.k)]
+    manifest = {"k": cfg.ddm.k, "prior": [s / sum(sizes) for s in sizes], "partition": partition.get("method"),
+                "experts": experts, "router": _entry(root, router_dir(cfg), "router")}
+    tmp = root / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.replace(root / MANIFEST)
+    return manifest
+
+
+def read_manifest(root: Path) -> dict:
+    path = Path(root) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read ensemble manifest {path}: {err}") from None
+
+
+def _verified(root: Path, entry: dict) -> Path | None:
+    """The entry's weights file, checked; None (with a warning) when it is missing or unfinished."""
+    if "weights" not in entry:
+        warnings.warn(f"{entry['name']} has no finished checkpoint ({entry['run']}); routing around it")
+        return None
+    path = root / entry["weights"]
+    if not path.is_file():
+        warnings.warn(f"{entry['name']} is missing from disk ({path}); routing around it")
+        return None
+    if file_sha256(path) != entry["sha256"]:
+        raise CheckpointError(f"{path}: sha256 does not match {MANIFEST}; refusing {entry['name']}")
+    try:
+        with safe_open(str(path), "pt"):
+            pass
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: not a valid safetensors file ({err}); refusing {entry['name']}") from None
+    return path
+
+
+def _network(entry: dict, path: Path, device) -> torch.nn.Module:
+    model_cfg = validate({"run_dir": ".", "model": entry["model"]}).model
+    return network_with_weights(model_cfg, tuple(entry["shape"]), entry["num_classes"], load_weights(path), device)
+
+
+class LearnedRouter:
+    def __init__(self, net: torch.nn.Module):
+        self.net = net
+
+    def __call__(self, x, t, cond=None):
+        return route(self.net, x, t, cond)
+
+
+def load_ensemble(root: Path, routing: str = "top1", max_loaded: int | None = None, seed: int = 0,
+                  device="cpu") -> tuple[Mixture, dict]:
+    """The ensemble as one `Denoiser`: every file verified now, each expert's network built when first needed."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    slots = []
+    for entry in manifest["experts"]:
+        path = _verified(root, entry)
+        load = None
+        if path is not None:
+            def load(entry=entry, path=path):
+                return NetworkDenoiser(_network(entry, path, device), entry["path"], entry["prediction"])
+        slots.append(ExpertSlot(entry["name"], load))
+    if not any(slot.available for slot in slots):
+        raise CheckpointError(f"{root}: no expert of the ensemble is available")
+    router_path = _verified(root, manifest["router"])
+    router = (LearnedRouter(_network(manifest["router"], router_path, device)) if router_path is not None
+              else PriorRouter(manifest["prior"]))
+    return Mixture(slots, router, routing=routing, max_loaded=max_loaded, seed=seed), manifest
+
+
+def oracle_clusters(prior: list[float], seed: int, first: int, num: int) -> torch.Tensor:
+    """Sample i's cluster, drawn from the cluster prior by its own stream (the same at any batch size)."""
+    from islands.data import streams
+
+    u = streams.uniform(seed, list(range(first, first + num)), "oracle").double()
+    edges = torch.tensor(prior, dtype=torch.float64).cumsum(0)
+    return torch.searchsorted(edges, u * edges[-1], right=True).clamp(max=len(prior) - 1)

@@ -1,0 +1,227 @@
+"""Decentralized Diffusion Models (McAllister et al. 2025, arXiv 2501.05450): K experts and a router as one Denoiser.
+
+Partition the data into clusters k. On the canonical path x_t = (1 - t) x0 + t eps the marginal velocity of the
+whole data set factors exactly as
+
+    u(x_t, t) = sum_k p(k | x_t, t) u_k(x_t, t),
+
+where u_k is the marginal velocity of cluster k alone and p(k | x_t, t) the posterior of the cluster given the noisy
+point. Expert k, trained on cluster k only, estimates u_k; a router estimates p(k | x_t, t). `Mixture` combines
+them under a routing policy that may evaluate only a few experts per sample, and is itself a `Denoiser`, so every
+sampler runs it unchanged.
+"""
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from islands.flow.denoiser import Denoiser, broadcast
+
+ROUTINGS = ("full", "top1", "topk:K", "threshold:P", "sample", "oracle")
+
+
+@dataclass(frozen=True)
+class ExpertSlot:
+    """A named expert, loaded on first use by `load`; `load=None` marks it missing (never trained, or its files
+    are absent)."""
+
+    name: str
+    load: Callable[[], Denoiser] | None
+
+    @property
+    def available(self) -> bool:
+        return self.load is not None
+
+
+class Router(Protocol):
+    """Estimates p(k | x_t, t): probabilities of shape (B, K) whose rows sum to 1."""
+
+    def __call__(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor: ...
+
+
+class PriorRouter:
+    """The same probabilities for every sample (e.g. cluster sizes): p(k | x_t, t) at t = 1, where x_t is noise."""
+
+    def __init__(self, probabilities):
+        p = torch.as_tensor(probabilities, dtype=torch.float64)
+        if p.dim() != 1 or (p < 0).any() or p.sum() <= 0:
+            raise ValueError(f"probabilities must be K non-negative numbers with a positive sum, got {probabilities}")
+        self.probabilities = p / p.sum()
+
+    def __call__(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
+        return self.probabilities.to(x.device).expand(x.shape[0], -1)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A parsed routing policy: full, topk (top1 is topk with top_k = 1), threshold, sample or oracle."""
+
+    policy: str
+    top_k: int = 1
+    threshold: float = 1.0
+
+
+def parse_routing(spec: str = "top1") -> Routing:
+    """Parse "full", "top1", "topk:K", "threshold:P", "sample" or "oracle"."""
+    name, colon, arg = spec.partition(":")
+    if name in ("full", "top1", "sample", "oracle") and not colon:
+        return Routing("topk") if name == "top1" else Routing(name)
+    if name == "topk" and arg.isdecimal() and int(arg) >= 1:
+        return Routing("topk", top_k=int(arg))
+    if name == "threshold":
+        try:
+            threshold = float(arg)
+        except ValueError:
+            threshold = 0.0  # not a number: rejected below
+        if 0 < threshold <= 1:
+            return Routing("threshold", threshold=threshold)
+    raise ValueError(
+        f"--routing: {spec!r} is not a routing policy; choose from {', '.join(ROUTINGS)} (K >= 1, 0 < P <= 1)"
+    )
+
+
+class Mixture(nn.Module):
+    """sum_k w_k(x_t, t) u_k(x_t, t) over the experts a routing policy selects, as a `Denoiser`.
+
+    The router's probabilities of missing experts are set to zero and the rest renormalised; a sample whose
+    probability lies entirely on missing experts is spread uniformly over the available ones. The policy selects
+    experts per sample (never one with zero probability) and their probabilities are renormalised per sample.
+    Each selected expert runs once per call, on exactly the samples that selected it. Experts load on first use;
+    with `max_loaded`, the least recently used ones are dropped to keep at most that many loaded.
+    """
+
+    def __init__(
+        self,
+        experts: list[ExpertSlot],
+        router: Router | None,
+        routing: str | Routing = "top1",
+        max_loaded: int | None = None,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.routing = parse_routing(routing) if isinstance(routing, str) else routing
+        self.slots = list(experts)
+        if not any(slot.available for slot in self.slots):
+            raise ValueError(f"no expert is available among {[slot.name for slot in self.slots]}")
+        if self.routing.top_k > len(self.slots):
+            raise ValueError(f"--routing: 'topk:{self.routing.top_k}' selects more than the {len(self.slots)} experts")
+        if router is None and self.routing.policy != "oracle":
+            raise ValueError(f"routing {self.routing.policy!r} needs a router")
+        if max_loaded is not None and max_loaded < 1:
+            raise ValueError(f"max_loaded must be >= 1 or None, got {max_loaded}")
+        self.router = router
+        self.max_loaded = max_loaded
+        self.generator = torch.Generator().manual_seed(seed)
+        self._available = torch.tensor([slot.available for slot in self.slots])
+        self._loaded: OrderedDict[int, Denoiser] = OrderedDict()  # least recently used first
+        self._assigned: Tensor | None = None
+        self._warned_missing = False
+        self.reset_counts()
+
+    # --- bookkeeping ----------------------------------------------------------------------------
+    def reset_counts(self) -> None:
+        self.evaluations = 0  # (sample, expert) pairs evaluated, over all calls
+        self.evaluations_by_expert = [0] * len(self.slots)
+
+    def calls_per_sample(self, num_samples: int) -> float:
+        """Expert evaluations per sample, for `num_samples` samples generated since the last `reset_counts`."""
+        return self.evaluations / num_samples
+
+    @property
+    def loaded_names(self) -> list[str]:
+        """Names of the loaded experts, least recently used first."""
+        return [self.slots[k].name for k in self._loaded]
+
+    @property
+    def missing_names(self) -> list[str]:
+        """Names of the experts whose slot has nothing to load."""
+        return [slot.name for slot in self.slots if not slot.available]
+
+    def assign(self, clusters: Tensor) -> None:
+        """Oracle routing: the expert of each sample of the batch, for all following calls."""
+        if self.routing.policy != "oracle":
+            raise ValueError(f"assign() is for oracle routing, not {self.routing.policy!r}")
+        clusters = torch.as_tensor(clusters, dtype=torch.long)
+        if clusters.dim() != 1 or (clusters < 0).any() or (clusters >= len(self.slots)).any():
+            raise ValueError(f"clusters must be a vector of expert indices in [0, {len(self.slots)})")
+        missing = sorted({self.slots[k].name for k in clusters.unique().tolist() if not self.slots[k].available})
+        if missing:
+            raise ValueError(f"oracle routing assigns samples to missing experts {missing}")
+        self._assigned = clusters
+
+    # --- the velocity -----------------------------------------------------------------------------
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
+        t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(x.shape[0])
+        weights = self._weights(x, t, cond)  # (B, K), zero where not selected, rows sum to 1
+        selected = weights > 0
+        order = [k for k in self._loaded if selected[:, k].any()]  # loaded experts first: fewer reloads
+        order += [k for k in range(len(self.slots)) if k not in order and selected[:, k].any()]
+        contributions = {}
+        for k in order:
+            rows = selected[:, k].nonzero().squeeze(1)
+            v = self._expert(k)(x[rows], t[rows], None if cond is None else cond[rows]).to(x.dtype)
+            contributions[k] = (rows, broadcast(weights[rows, k], v) * v)
+            self.evaluations += rows.numel()
+            self.evaluations_by_expert[k] += rows.numel()
+        out = torch.zeros_like(x)
+        for k in sorted(contributions):  # a fixed order of summation, whatever was loaded
+            rows, term = contributions[k]
+            out[rows] += term
+        return out
+
+    def _weights(self, x: Tensor, t: Tensor, cond: Tensor | None) -> Tensor:
+        """Per-sample weights of the selected experts, float64 (B, K)."""
+        batch, num = x.shape[0], len(self.slots)
+        if self.routing.policy == "oracle":
+            if self._assigned is None:
+                raise RuntimeError("oracle routing: call assign(clusters) before sampling")
+            if self._assigned.shape[0] != batch:
+                raise ValueError(f"oracle routing: {self._assigned.shape[0]} clusters assigned, batch of {batch}")
+            return nn.functional.one_hot(self._assigned.to(x.device), num).double()
+        probs = self.router(x, t, cond).double()
+        if probs.shape != (batch, num):
+            raise ValueError(f"the router returned shape {tuple(probs.shape)}, expected {(batch, num)}")
+        probs = self._without_missing(probs)
+        if self.routing.policy == "full":
+            return probs
+        if self.routing.policy == "sample":
+            drawn = torch.multinomial(probs.cpu(), 1, generator=self.generator).squeeze(1)
+            return nn.functional.one_hot(drawn.to(x.device), num).double()
+        if self.routing.policy == "topk":
+            keep = torch.zeros_like(probs, dtype=torch.bool)
+            keep.scatter_(1, probs.topk(self.routing.top_k, dim=1).indices, True)
+        else:  # threshold: the smallest set whose probabilities reach P (nucleus)
+            sorted_probs, indices = probs.sort(dim=1, descending=True)
+            mass_before = sorted_probs.cumsum(1) - sorted_probs
+            keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, indices, mass_before < self.routing.threshold)
+        chosen = probs * keep
+        return chosen / chosen.sum(1, keepdim=True)
+
+    def _without_missing(self, probs: Tensor) -> Tensor:
+        """The router's probabilities restricted to the available experts (uniform where none is left)."""
+        available = self._available.to(device=probs.device, dtype=probs.dtype)
+        if available.all():
+            return probs
+        if not self._warned_missing:
+            warnings.warn(f"experts {self.missing_names} are missing; routing renormalises over the others")
+            self._warned_missing = True
+        probs = probs * available
+        total = probs.sum(1, keepdim=True)
+        uniform = available / available.sum()
+        return torch.where(total > 0, probs / total.clamp_min(1e-300), uniform)
+
+    def _expert(self, k: int) -> Denoiser:
+        """Expert k, loaded if need be, dropping the least recently used beyond `max_loaded`."""
+        if k in self._loaded:
+            self._loaded.move_to_end(k)
+            return self._loaded[k]
+        if self.max_loaded is not None:
+            while len(self._loaded) >= self.max_loaded:
+                self._loaded.popitem(last=False)
+        self._loaded[k] = self.slots[k].load()
+        return self._loaded[k]

@@ -1,0 +1,161 @@
+"""A whole Decentralized Diffusion Model from one config: partition, experts, router, manifest, samples, metrics.
+
+`islands ddm CONFIG` runs every step on this machine, skipping what is already complete, so rerunning
+continues. `--jobs J` trains J experts at once, the cores split between them. `--emit torchrun|slurm`
+writes one launch script per island instead, for islands that share only a storage location.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from islands.config import Config, ConfigError, revalidate, to_dict
+from islands.data import build_data
+from islands.ddm.ensemble import load_ensemble, oracle_clusters, write_manifest
+from islands.ddm.partition import Partition, partition, save_cluster_picture
+from islands.ddm.runs import ensemble_dir, expert_config, expert_dir, partition_dir, router_config, router_dir
+from islands.eval.evaluate import Evaluator, build_features, format_table, generated, record
+from islands.images import save_samples_picture
+from islands.train.checkpoint import latest_checkpoint
+
+
+def whole_data(cfg: Config):
+    """The data set itself, not seen through any partition."""
+    return build_data(cfg.data.model_copy(update={"partition": None, "cluster": None}), cfg.seed)
+
+
+def run_partition(cfg: Config, progress: bool = True) -> Partition:
+    """Write ENSEMBLE/partition (once: an existing partition of other settings is never overwritten)."""
+    if cfg.ddm.k < 2:
+        raise ConfigError(f"ddm.k: {cfg.ddm.k}; a decentralized model needs at least 2 experts")
+    out, p = partition_dir(cfg), cfg.ddm.partition
+    source = whole_data(cfg)
+    if (out / "partition.json").exists():
+        done = Partition.load(out)
+        if (done.k, done.method, done.seed) != (cfg.ddm.k, p.method, cfg.seed):
+            raise ConfigError(f"ddm.partition: {out} holds another partition (k={done.k}, {done.method}); "
+                              "use a new run_dir")
+        done.check(source)
+        return done
+    features = None
+    if p.method == "kmeans" and p.features != "pixels":
+        features = build_features(revalidate(cfg.eval, "eval", features=p.features), source, cfg.seed, progress)
+    made = partition(source, cfg.ddm.k, p.method, features, p.pca_dim, p.fine, p.balanced, cfg.seed, progress)
+    made.save(out)
+    save_cluster_picture(made, source, out / "clusters.png")
+    return made
+
+
+def _save_ensemble_config(cfg: Config) -> None:
+    root = ensemble_dir(cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def _finished(run: Path, images: int) -> bool:
+    ckpt = latest_checkpoint(run)
+    return ckpt is not None and json.loads((ckpt / "state.json").read_text())["progress"]["images"] >= images
+
+
+def _train_command(config: Path, role: str, threads: int) -> list[str]:
+    return [sys.executable, "-m", "islands", "train", str(config), role, f"train.threads={threads}", "--quiet"]
+
+
+def train_members(cfg: Config, config_path: Path, jobs: int = 1, progress: bool = True) -> None:
+    """Experts (J at a time, each in its own process with its share of the cores), then the router."""
+    pending = [k for k in range(cfg.ddm.k) if not _finished(expert_dir(cfg, k), expert_config(cfg, k).train.images)]
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    while pending:
+        batch, pending = pending[:jobs], pending[jobs:]
+        if progress:
+            print(f"training experts {batch} ({threads} threads each)", flush=True)
+        running = [subprocess.Popen(_train_command(config_path, f"expert={k}", threads), env=env) for k in batch]
+        failed = [k for k, proc in zip(batch, running) if proc.wait() != 0]
+        if failed:
+            raise ConfigError(f"ddm: expert(s) {failed} failed; their logs are above; rerun to continue")
+    if not _finished(router_dir(cfg), router_config(cfg).train.images):
+        if progress:
+            print("training the router", flush=True)
+        if subprocess.run(_train_command(config_path, "router", os.cpu_count() or 1), env=env).returncode:
+            raise ConfigError("ddm: the router failed; its log is above; rerun to continue")
+
+
+def sample_and_evaluate(cfg: Config, routing: str = "top1", progress: bool = True) -> dict:
+    """The ensemble's sample grid and its metrics against the whole data set (ENSEMBLE/metrics.json)."""
+    root = ensemble_dir(cfg)
+    mixture, manifest = load_ensemble(root, routing, seed=cfg.seed)
+    shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)
+    num_classes = cfg.model.num_classes
+    prepare = None
+    if routing == "oracle":  # each sample keeps one expert, drawn from the cluster sizes by its own stream
+        def prepare(lo, hi):
+            mixture.assign(oracle_clusters(manifest["prior"], cfg.seed, lo, hi - lo))
+    source = whole_data(cfg)
+    evaluator = Evaluator(source, cfg.eval, cfg.seed, progress)
+    mixture.reset_counts()
+    sampling = {}
+
+    def counted(batches):
+        yield from batches
+        sampling["evaluations"] = mixture.evaluations  # before the metrics call the mixture themselves
+
+    batches = generated(mixture, shape, cfg.eval.num, cfg.sample, cfg.seed, num_classes, progress, prepare)
+    # the velocity error needs a field of (x, t); oracle routing is one only along each sample's own path
+    result = evaluator(counted(batches), None if routing == "oracle" else mixture)
+    result["expert_evaluations_per_sample"] = sampling["evaluations"] / cfg.eval.num
+    grid = next(generated(mixture, shape, min(64, cfg.sample.num), cfg.sample, cfg.seed, num_classes,
+                          prepare=prepare))[0]
+    save_samples_picture(grid, root / "samples" / f"{routing}.png", source.get(list(range(2000)))[0]
+                         if len(shape) == 1 else None, f"ensemble, {routing} routing")
+    key = f"ensemble routing={routing} num={cfg.eval.num} steps={cfg.sample.steps} solver={cfg.sample.solver}"
+    return record(root / "metrics.json", key, result)
+
+
+def run_ddm(cfg: Config, config_path: Path, jobs: int = 1, progress: bool = True) -> dict:
+    _save_ensemble_config(cfg)
+    run_partition(cfg, progress)
+    train_members(cfg, config_path, jobs, progress)
+    write_manifest(cfg)
+    result = sample_and_evaluate(cfg, "top1", progress)
+    if progress:
+        print(format_table(result))
+    return result
+
+
+SLURM_HEADER = """#!/bin/bash
+#SBATCH --job-name=islands-{name}
+#SBATCH --nodes=1
+#SBATCH --gpus-per-node=${{GPUS:-8}}
+#SBATCH --time=24:00:00
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+"""
+
+
+def emit_scripts(cfg: Config, config_path: Path, kind: str) -> list[Path]:
+    """One script per island (partition first, then any expert in any order or place, the router, the
+    manifest); each island needs the config, the data and the shared ENSEMBLE folder, nothing else."""
+    out = ensemble_dir(cfg) / "launch"
+    out.mkdir(parents=True, exist_ok=True)
+    config = shlex.quote(str(Path(config_path).resolve()))
+    launcher = ("torchrun --nproc_per_node=${NPROC:-1}" if kind == "torchrun" else
+                "srun torchrun --nproc_per_node=${GPUS:-8}")
+    steps = {"0_partition": f"{sys.executable} -m islands partition {config}"}
+    for k in range(cfg.ddm.k):
+        steps[f"1_expert{k}"] = f"{launcher} -m islands train {config} expert={k} \"$@\""
+    steps["2_router"] = f"{launcher} -m islands train {config} router \"$@\""
+    steps["3_ensemble"] = f"{sys.executable} -m islands ddm {config}"
+    written = []
+    for name, command in steps.items():
+        path = out / f"{name}.sh"
+        header = SLURM_HEADER.format(name=name) if kind == "slurm" else "#!/bin/bash\nset -euo pipefail\n"
+        path.write_text(header + command + "\n")
+        path.chmod(0o755)
+        written.append(path)
+    return written

@@ -1,0 +1,72 @@
+"""The runs of a Decentralized Diffusion Model, derived from one config whose run_dir is the ensemble folder.
+
+ENSEMBLE/partition/     the partition (`islands partition CONFIG`)
+ENSEMBLE/experts/<k>/   expert k: an ordinary run on cluster k alone (`islands train CONFIG expert=k`)
+ENSEMBLE/router/        the router: an ordinary run with the router objective (`islands train CONFIG router`)
+ENSEMBLE/ensemble.json  the manifest that sampling reads
+
+An expert reads the partition and nothing of the other experts. Compute parity (the paper's recipe): each
+expert's batch is the global batch / K and it sees train.images / K images, so the K experts together
+cost what the monolith of the same config costs.
+"""
+
+from pathlib import Path
+
+from islands.config import Config, ConfigError, to_dict, validate
+
+
+def ensemble_dir(cfg: Config) -> Path:
+    return Path(cfg.run_dir)
+
+
+def partition_dir(cfg: Config) -> Path:
+    return ensemble_dir(cfg) / "partition"
+
+
+def expert_dir(cfg: Config, k: int) -> Path:
+    return ensemble_dir(cfg) / "experts" / str(k)
+
+
+def router_dir(cfg: Config) -> Path:
+    return ensemble_dir(cfg) / "router"
+
+
+def _require_ddm(cfg: Config) -> None:
+    if cfg.ddm.k < 2:
+        raise ConfigError(f"ddm.k: {cfg.ddm.k}; a decentralized model needs at least 2 experts")
+    if not (partition_dir(cfg) / "partition.json").exists():
+        raise ConfigError(f"ddm: no partition in {partition_dir(cfg)}; run 'islands partition' with this config first")
+
+
+def _derived(cfg: Config, run_dir: Path, replace: dict | None = None, **updates) -> Config:
+    """cfg as a plain (non-DDM) run in run_dir, with keys of some sections updated and whole sections replaced."""
+    raw = to_dict(cfg)
+    raw.update(run_dir=str(run_dir), ddm={}, **(replace or {}))
+    for name, values in updates.items():
+        raw[name] = {**raw[name], **values}
+    return validate(raw)
+
+
+def expert_config(cfg: Config, k: int) -> Config:
+    _require_ddm(cfg)
+    if not 0 <= k < cfg.ddm.k:
+        raise ConfigError(f"expert: {k} is not one of the {cfg.ddm.k} experts (0 to {cfg.ddm.k - 1})")
+    batch = cfg.ddm.expert_batch or cfg.train.batch_size // cfg.ddm.k
+    if batch < 1 or batch % cfg.train.accumulate:
+        raise ConfigError(f"ddm.expert_batch: {batch} does not split into train.accumulate={cfg.train.accumulate}")
+    images = max(batch, cfg.train.images * batch // cfg.train.batch_size)  # the monolith's number of steps
+    return _derived(cfg, expert_dir(cfg, k), data={"partition": str(partition_dir(cfg)), "cluster": k},
+                    train={"batch_size": batch, "images": images})
+
+
+def router_config(cfg: Config) -> Config:
+    _require_ddm(cfg)
+    r = cfg.ddm.router
+    model = {"arch": "router", "num_classes": cfg.model.num_classes, "outputs": cfg.ddm.k, "depth": r.depth}
+    model.update({"hidden": r.hidden} if cfg.model.arch == "mlp" else
+                 {"hidden_size": r.hidden_size, "num_heads": r.num_heads, "patch_size": r.patch_size})
+    return _derived(cfg, router_dir(cfg), replace={"model": model, "eval": {}},
+                    data={"partition": str(partition_dir(cfg)), "cluster": None},
+                    train={"objective": "router", "images": r.images, "batch_size": r.batch_size, "lr": r.lr,
+                           "accumulate": 1, "warmup_images": 0, "ema_halflife_images": 0.0,
+                           "checkpoint_every": r.images, "sample_every": 0})

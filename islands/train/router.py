@@ -1,0 +1,48 @@
+"""The router's objective: cross-entropy against the cluster of training examples noised along the
+canonical path (McAllister et al. 2025, section 3.2), and its accuracy as a function of t.
+
+Examples arrive labelled class * K + cluster (see islands/data/clusters.py). The router sees x_t at the
+canonical t of the example's stream position, and its class with the same label dropout as the denoisers,
+so that it also routes unconditional and guided sampling.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from islands.data import streams
+
+ACCURACY_TIMES = 10  # bins of t for the accuracy report
+
+
+class RouterObjective:
+    def __init__(self, seed: int, clusters: int, num_classes: int, label_dropout: float):
+        self.seed, self.k, self.num_classes, self.label_dropout = seed, clusters, num_classes, label_dropout
+
+    def split(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(cluster, class or None) from the combined label."""
+        return labels % self.k, (labels // self.k if self.num_classes else None)
+
+    def __call__(self, net, x0: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        pos = positions.tolist()
+        noise = streams.normal(self.seed, pos, tuple(x0.shape[1:])).to(x0)
+        t = streams.uniform(self.seed, pos, "time").to(x0)
+        x_t = (1 - t.view(-1, *[1] * (x0.dim() - 1))) * x0 + t.view(-1, *[1] * (x0.dim() - 1)) * noise
+        cluster, cls = self.split(labels)
+        if cls is not None:
+            drop = (streams.uniform(self.seed, pos, "label_drop") < self.label_dropout).to(x0.device)
+            cls = torch.where(drop, torch.full_like(cls, self.num_classes), cls)
+        return F.cross_entropy(net(x_t, t, cls).float(), cluster, reduction="none")
+
+    @torch.no_grad()
+    def accuracy_by_t(self, net, x0: torch.Tensor, labels: torch.Tensor) -> dict:
+        """Top-1 accuracy on fixed examples and noise at t = (b + 0.5) / ACCURACY_TIMES, with the class given."""
+        noise = streams.normal(self.seed, list(range(len(x0))), tuple(x0.shape[1:]), "validation").to(x0)
+        cluster, cls = self.split(labels)
+        times, accuracy = [], []
+        for b in range(ACCURACY_TIMES):
+            t = (b + 0.5) / ACCURACY_TIMES
+            logits = net((1 - t) * x0 + t * noise, torch.full((len(x0),), t, dtype=x0.dtype, device=x0.device), cls)
+            times.append(t)
+            accuracy.append((logits.argmax(1) == cluster).double().mean().item())
+        prior = torch.bincount(cluster, minlength=self.k).max().item() / len(cluster)
+        return {"t": times, "accuracy": accuracy, "majority_cluster_share": prior}

@@ -1,0 +1,321 @@
+"""Decentralized Diffusion Models: exact per-cluster experts and the exact router recover the data's velocity."""
+
+import re
+import warnings
+
+import pytest
+import torch
+
+from islands.data.gmm import GaussianMixture
+from islands.ddm.mixture import ExpertSlot, Mixture, PriorRouter, Routing, parse_routing
+from islands.flow.samplers import evaluations_per_sample, sample
+
+MEANS = [[2.0, 2.0], [-2.0, 2.0], [-2.0, -2.0], [2.0, -2.0]]
+STD = 0.3
+WEIGHTS = [0.4, 0.3, 0.2, 0.1]
+DATA = GaussianMixture(MEANS, STD, WEIGHTS)  # component k is cluster k
+NAMES = [f"expert{k}" for k in range(4)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tensors here are tiny: a second thread only waits (seconds per test on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def gaussian_velocity(mean, std: float, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """E[eps - x0 | x_t = x] for data N(mean, std^2 I) on x_t = (1 - t) x0 + t eps.
+
+    x_t ~ N((1 - t) mean, var I) with var = (1 - t)^2 std^2 + t^2, Cov(x0, x_t) = (1 - t) std^2 I and
+    Cov(eps, x_t) = t I, so E[eps - x0 | x_t] = (t - (1 - t) std^2) / var (x_t - (1 - t) mean) - mean.
+    """
+    t = t.reshape(-1, 1).to(x.dtype)
+    mean = torch.as_tensor(mean, dtype=x.dtype)
+    var = (1 - t) ** 2 * std**2 + t**2
+    return (t - (1 - t) * std**2) / var * (x - (1 - t) * mean) - mean
+
+
+class Expert:
+    """The exact expert of cluster k; records the inputs it is called on and, in `tally`, how many are alive."""
+
+    def __init__(self, k: int, tally: dict | None = None):
+        self.k, self.inputs, self.tally = k, [], tally
+        if tally is not None:
+            tally["loads"] += 1
+            tally["live"] += 1
+            tally["peak"] = max(tally["peak"], tally["live"])
+
+    def __del__(self):
+        if self.tally is not None:
+            self.tally["live"] -= 1
+
+    def __call__(self, x, t, cond=None):
+        self.inputs.append(x.clone())
+        return gaussian_velocity(MEANS[self.k], STD, x, t)
+
+
+def eager_slots(missing=()):
+    """Slots over four already built experts (returned too, to inspect their calls) and the list of loads."""
+    experts, loads = [Expert(k) for k in range(4)], []
+
+    def loader(k):
+        def load():
+            loads.append(k)
+            return experts[k]
+        return load
+
+    return [ExpertSlot(NAMES[k], None if k in missing else loader(k)) for k in range(4)], experts, loads
+
+
+def exact_router(x, t, cond=None):
+    return DATA.posterior(x, t.expand(x.shape[0]))
+
+
+def table_router(probs):
+    return lambda x, t, cond=None: probs
+
+
+def noisy_points(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_t on the canonical path from the data, t uniform in (0, 1), float64."""
+    g = torch.Generator().manual_seed(seed)
+    x0, _ = DATA.sample(n, g)
+    t = torch.rand(n, generator=g, dtype=torch.float64).clamp(1e-4, 1 - 1e-4)
+    eps = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    return (1 - t)[:, None] * x0 + t[:, None] * eps, t
+
+
+def exact_components(x, t):
+    """u_k(x, t) of each cluster alone, (B, K, 2), from the closed form."""
+    return torch.stack([gaussian_velocity(m, STD, x, t) for m in MEANS], dim=1)
+
+
+# --- the experts and the factorisation --------------------------------------------------------------------------
+@pytest.mark.parametrize("mean,std", [([2.0, -2.0], 0.3), ([0.5, 1.0], 1.7)])
+def test_closed_form_expert_is_the_single_gaussian_velocity(mean, std):
+    x, t = torch.randn(500, 2, dtype=torch.float64) * 3, torch.rand(500, dtype=torch.float64)
+    assert torch.allclose(gaussian_velocity(mean, std, x, t), GaussianMixture([mean], std).velocity(x, t), atol=1e-12)
+    # Independently: the velocity is linear in x_t, so it is the least-squares fit of eps - x0 on (1, x_t):
+    # its residual has mean zero and is uncorrelated with x_t (Monte Carlo, 4 standard errors).
+    g = torch.Generator().manual_seed(0)
+    n, tt = 200_000, 0.4
+    x0 = torch.tensor(mean, dtype=torch.float64) + std * torch.randn(n, 2, generator=g, dtype=torch.float64)
+    eps = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    xt = (1 - tt) * x0 + tt * eps
+    residual = (eps - x0) - gaussian_velocity(mean, std, xt, torch.full((n,), tt, dtype=torch.float64))
+    centred = xt - xt.mean(0)
+    assert residual.mean(0).abs().max() < 4 * residual.std() / n**0.5
+    covariance = (residual[:, :, None] * centred[:, None, :]).mean(0)
+    assert covariance.abs().max() < 4 * residual.std() * centred.std() / n**0.5
+
+
+def test_full_mixture_of_cluster_experts_is_the_data_velocity():
+    """The paper's identity u = sum_k p(k | x_t) u_k, at many (x_t, t)."""
+    slots, _, _ = eager_slots()
+    mixture = Mixture(slots, exact_router, routing="full")
+    x, t = noisy_points(4000, seed=1)
+    assert torch.allclose(mixture(x, t), DATA.velocity(x, t), rtol=0, atol=1e-6)
+    far = torch.randn(1000, 2, dtype=torch.float64) * 4
+    t_far = torch.rand(1000, dtype=torch.float64).clamp(1e-4, 1 - 1e-4)
+    assert torch.allclose(mixture(far, t_far), DATA.velocity(far, t_far), rtol=0, atol=1e-6)
+
+
+# --- routing policies ------------------------------------------------------------------------------------------
+PROBS = torch.tensor([[0.6, 0.25, 0.1, 0.05], [0.03, 0.55, 0.4, 0.02], [0.05, 0.04, 0.46, 0.45], [0.0, 0.0, 0.0, 1.0],
+                      [0.5, 0.25, 0.125, 0.125]], dtype=torch.float64)
+# The experts each policy must select for each row of PROBS, worked out by hand. An expert of probability zero is
+# never selected; threshold:P keeps the smallest set reaching P (0.5 + 0.25 reaches 0.75 exactly).
+SELECTIONS = {
+    "full": [{0, 1, 2, 3}, {0, 1, 2, 3}, {0, 1, 2, 3}, {3}, {0, 1, 2, 3}],
+    "top1": [{0}, {1}, {2}, {3}, {0}],
+    "topk:2": [{0, 1}, {1, 2}, {2, 3}, {3}, {0, 1}],
+    "threshold:0.9": [{0, 1, 2}, {1, 2}, {2, 3}, {3}, {0, 1, 2, 3}],
+    "threshold:0.75": [{0, 1}, {1, 2}, {2, 3}, {3}, {0, 1}],
+}
+
+
+@pytest.mark.parametrize("routing", list(SELECTIONS))
+def test_policies_select_the_right_experts_and_renormalise(routing):
+    slots, experts, _ = eager_slots()
+    mixture = Mixture(slots, table_router(PROBS), routing=routing)
+    x, t = torch.randn(5, 2, dtype=torch.float64), torch.full((5,), 0.5, dtype=torch.float64)
+    out = mixture(x, t)
+    chosen = SELECTIONS[routing]
+    for k, expert in enumerate(experts):
+        rows = [i for i, s in enumerate(chosen) if k in s]
+        assert len(expert.inputs) == 1 and torch.equal(expert.inputs[0], x[rows]), (k, rows)
+    assert mixture.evaluations == sum(len(s) for s in chosen)
+    assert mixture.evaluations_by_expert == [sum(k in s for s in chosen) for k in range(4)]
+    velocities = exact_components(x, t)
+    for i, s in enumerate(chosen):
+        w = torch.tensor([PROBS[i, k] if k in s else 0.0 for k in range(4)], dtype=torch.float64)
+        assert torch.allclose(out[i], (w / w.sum()) @ velocities[i], atol=1e-12), (routing, i)
+
+
+@pytest.mark.parametrize("routing", ["full", "top1", "topk:3", "threshold:0.99", "sample", "oracle"])
+def test_one_hot_router_gives_the_selected_expert(routing):
+    labels = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(2))
+    slots, _, _ = eager_slots()
+    mixture = Mixture(slots, table_router(torch.nn.functional.one_hot(labels, 4).double()), routing=routing)
+    if routing == "oracle":
+        mixture.assign(labels)
+    x, t = torch.randn(64, 2, dtype=torch.float64), torch.rand(64, dtype=torch.float64)
+    expected = exact_components(x, t)[torch.arange(64), labels]
+    assert torch.allclose(mixture(x, t), expected, atol=1e-12)
+    assert mixture.evaluations == 64 and mixture.calls_per_sample(64) == 1.0
+
+
+@pytest.mark.parametrize("routing", ["top1", "full"])
+def test_unneeded_experts_are_neither_loaded_nor_called(routing):
+    slots, experts, loads = eager_slots()
+    mixture = Mixture(slots, PriorRouter([0.0, 0.0, 1.0, 0.0]), routing=routing)
+    assert mixture.loaded_names == [] and loads == []  # nothing loads before it is used
+    x = torch.randn(32, 2, dtype=torch.float64)
+    for t in (0.9, 0.5, 0.1):
+        mixture(x, torch.tensor(t, dtype=torch.float64))
+    assert loads == [2] and mixture.loaded_names == ["expert2"]
+    assert [len(e.inputs) for e in experts] == [0, 0, 3, 0]
+    assert mixture.evaluations_by_expert == [0, 0, 96, 0]
+
+
+def test_at_most_max_loaded_experts_are_alive_and_results_do_not_change():
+    tally = {"loads": 0, "live": 0, "peak": 0}
+    lazy = [ExpertSlot(NAMES[k], lambda k=k: Expert(k, tally)) for k in range(4)]
+    limited = Mixture(lazy, exact_router, routing="full", max_loaded=1)
+    unlimited = Mixture(eager_slots()[0], exact_router, routing="full")
+    x, t = noisy_points(256, seed=3)
+    t = t.clamp(0.3, 0.95)  # every cluster has some posterior mass at every point
+    for _ in range(3):
+        out = limited(x, t)
+        assert len(limited.loaded_names) == 1
+        assert torch.equal(out, unlimited(x, t))
+    assert tally["peak"] == 1
+    assert limited.evaluations_by_expert == [3 * 256] * 4
+    # The expert still loaded is used first in the next call: 4 loads, then 3 per call.
+    assert tally["loads"] == 4 + 3 + 3
+    del limited
+    assert tally["live"] == 0
+
+
+# --- missing experts -------------------------------------------------------------------------------------------
+def test_missing_expert_is_routed_around_with_one_warning():
+    slots, experts, loads = eager_slots(missing=(1,))
+    mixture = Mixture(slots, exact_router, routing="full")
+    x, t = noisy_points(2000, seed=4)
+    with pytest.warns(UserWarning, match="expert1"):
+        out = mixture(x, t)
+    posterior = DATA.posterior(x, t)
+    posterior[:, 1] = 0
+    expected = ((posterior / posterior.sum(1, keepdim=True))[:, :, None] * exact_components(x, t)).sum(1)
+    assert torch.allclose(out, expected, atol=1e-10)
+    assert not torch.allclose(out, DATA.velocity(x, t), atol=1e-3)  # the missing cluster did matter
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mixture(x, t)  # warned once only
+    assert 1 not in loads and experts[1].inputs == []
+
+    top1 = Mixture(slots, exact_router, routing="top1")
+    with pytest.warns(UserWarning, match="expert1"):
+        out = top1(x, t)
+    nearest_available = posterior.argmax(1)
+    assert torch.allclose(out, exact_components(x, t)[torch.arange(2000), nearest_available], atol=1e-12)
+
+    # All of a sample's probability on the missing expert: spread evenly over the others.
+    stranded = Mixture(slots, PriorRouter([0.0, 1.0, 0.0, 0.0]), routing="full")
+    with pytest.warns(UserWarning, match="expert1"):
+        out = stranded(x[:8], t[:8])
+    assert torch.allclose(out, exact_components(x[:8], t[:8])[:, [0, 2, 3]].mean(1), atol=1e-12)
+
+    oracle = Mixture(slots, None, routing="oracle")
+    with pytest.raises(ValueError, match="expert1"):
+        oracle.assign(torch.tensor([0, 1, 2, 3]))
+
+
+def test_no_available_expert_is_an_error():
+    with pytest.raises(ValueError, match="no expert is available"):
+        Mixture([ExpertSlot(name, None) for name in NAMES], exact_router)
+
+
+# --- sampling --------------------------------------------------------------------------------------------------
+def _mode_masses(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    modes = DATA.posterior(x, torch.zeros(x.shape[0], dtype=torch.float64)).argmax(1)
+    return modes, torch.bincount(modes, minlength=4).double() / x.shape[0]
+
+
+@pytest.mark.parametrize("routing", ["full", "top1", "oracle"])
+def test_sampling_with_exact_experts_covers_every_mode(routing):
+    n, steps = 4000, 32
+    noise = torch.randn(n, 2, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    slots, _, _ = eager_slots()
+    mixture = Mixture(slots, exact_router, routing=routing)
+    counts = (torch.tensor(WEIGHTS) * n).round().long()
+    clusters = torch.repeat_interleave(torch.arange(4), counts)
+    if routing == "oracle":
+        mixture.assign(clusters)
+    x = sample(mixture, noise, steps=steps, solver="heun")
+    modes, masses = _mode_masses(x)
+    assert (masses > 0).all(), masses
+    if routing == "full":
+        assert torch.allclose(masses, DATA.weights, atol=0.03), masses
+        assert mixture.calls_per_sample(n) <= 4 * evaluations_per_sample("heun", steps)
+    else:
+        assert mixture.calls_per_sample(n) == evaluations_per_sample("heun", steps)
+    if routing == "oracle":
+        assert torch.allclose(masses, DATA.weights, atol=0.03), masses
+        assert (modes == clusters).double().mean() > 0.99  # each sample ends in its assigned cluster
+
+
+def test_sample_routing_draws_by_the_probabilities_reproducibly():
+    n = 20_000
+    x, t = torch.randn(n, 2, dtype=torch.float64), torch.full((n,), 0.5, dtype=torch.float64)
+
+    def run(seed):
+        mixture = Mixture(eager_slots()[0], PriorRouter(WEIGHTS), routing="sample", seed=seed)
+        return [mixture(x, t) for _ in range(2)], mixture
+
+    (first, second), mixture = run(seed=7)
+    (again_first, again_second), _ = run(seed=7)
+    (other_first, _), _ = run(seed=8)
+    assert torch.equal(first, again_first) and torch.equal(second, again_second)
+    assert not torch.equal(first, second)  # a fresh draw at every call
+    assert not torch.equal(first, other_first)
+    frequencies = torch.tensor(mixture.evaluations_by_expert, dtype=torch.float64) / (2 * n)
+    assert torch.allclose(frequencies, DATA.weights, atol=0.01), frequencies  # standard error < 0.0025
+
+
+# --- the policy's spelling and misuse ----------------------------------------------------------------------------
+def test_parse_routing():
+    assert parse_routing("full") == Routing("full")
+    assert parse_routing() == parse_routing("top1") == Routing("topk", top_k=1)
+    assert parse_routing("topk:3") == Routing("topk", top_k=3)
+    assert parse_routing("threshold:0.9") == Routing("threshold", threshold=0.9)
+    assert parse_routing("threshold:1") == Routing("threshold", threshold=1.0)
+    assert parse_routing("sample") == Routing("sample") and parse_routing("oracle") == Routing("oracle")
+
+
+@pytest.mark.parametrize("spec", ["topk:0", "topk:", "topk:-1", "topk:two", "threshold:0", "threshold:1.5",
+                                  "threshold:nan", "threshold", "top1:2", "full:1", "best", ""])
+def test_parse_routing_rejects_bad_specs(spec):
+    with pytest.raises(ValueError, match=re.escape(f"--routing: {spec!r}")):
+        parse_routing(spec)
+
+
+def test_misuse_is_reported():
+    slots, _, _ = eager_slots()
+    with pytest.raises(ValueError, match="topk:5"):
+        Mixture(slots, exact_router, routing="topk:5")
+    with pytest.raises(ValueError, match="needs a router"):
+        Mixture(slots, None, routing="top1")
+    with pytest.raises(ValueError, match="oracle"):
+        Mixture(slots, exact_router, routing="top1").assign(torch.tensor([0, 1]))
+    oracle = Mixture(slots, None, routing="oracle")
+    x, t = torch.randn(4, 2, dtype=torch.float64), torch.rand(4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="assign"):
+        oracle(x, t)
+    oracle.assign(torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="batch of 4"):
+        oracle(x, t)
+    with pytest.raises(ValueError, match="shape"):
+        Mixture(slots, table_router(PROBS[:, :3]), routing="full")(x, t)
