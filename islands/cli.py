@@ -115,6 +115,17 @@ def _ddm(args) -> int:
     return 0
 
 
+def _distill(args) -> int:
+    from islands.ddm.runs import distill_config
+    from islands.train.loop import run_summary, train
+
+    # the folder given is the ensemble, wherever it was trained (islands may move it whole)
+    overrides = [*args.overrides, f"run_dir={args.ensemble_dir}"]
+    cfg = distill_config(load_config(Path(args.ensemble_dir) / "config.yaml", overrides), args.teacher)
+    print(run_summary(train(cfg, progress=not args.quiet)))
+    return 0
+
+
 def _eval(args) -> int:
     import torch
 
@@ -201,6 +212,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one launch script per island into RUN_DIR/launch instead of running")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_ddm)
+
+    p = sub.add_parser("distill", help="distill an ensemble into one model",
+                       description="Train one student on the whole data set to match, at every x_t, the expert "
+                                   "of its image's own cluster (or the routed mixture). Writes ENSEMBLE_DIR/distilled.")
+    p.add_argument("ensemble_dir", help="an ensemble directory written by 'islands ddm'")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides of the ensemble config's keys, e.g. train.images=20000")
+    p.add_argument("--teacher", choices=["cluster", "full"], default="cluster",
+                   help="the expert of each image's cluster (the paper's recipe) or the full mixture")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_distill)
     return parser
 
 

@@ -150,7 +150,9 @@ class TrainConfig(Section):
     log_every: int = Field(1_000, gt=0)
     max_nonfinite: int = Field(5, gt=0)  # consecutive skipped steps before the run stops
     threads: int | None = Field(None, gt=0)  # torch intra-op threads; None leaves torch's default
-    objective: Literal["diffusion", "router"] = "diffusion"  # router: classify noised examples by cluster
+    objective: Literal["diffusion", "router", "distill"] = "diffusion"  # router: classify noised examples by
+    # cluster; distill: learn an ensemble's velocity (data.partition names the ensemble)
+    teacher: Literal["cluster", "full"] = "cluster"  # distill: the expert of each image's cluster, or the mixture
 
     @model_validator(mode="after")
     def _check(self):

@@ -164,3 +164,17 @@ def test_rerunning_skips_what_is_done_and_emit_writes_a_script_per_island(ensemb
     assert scripts == ["0_partition.sh", "1_expert0.sh", "1_expert1.sh", "1_expert2.sh", "1_expert3.sh",
                        "2_router.sh", "3_ensemble.sh"]
     assert "expert=2" in (root / "launch" / "1_expert2.sh").read_text()
+
+
+def test_distillation_learns_the_ensemble_in_one_network(ensemble, tmp_path):
+    cfg, root = ensemble
+    copy = tmp_path / "ensemble"
+    shutil.copytree(root, copy)
+    assert main(["distill", str(copy), "train.images=12800", "eval.every=12800", "--quiet"]) == 0
+    # the manifest points inside the copied ensemble: relative paths, so islands can be moved whole
+    student = json.loads((copy / "distilled" / "eval.jsonl").read_text().splitlines()[-1])
+    assert student["mode_mass_error"] < 0.1 and student["precision"] > 0.5  # every mode near its weight
+    teacherless = json.loads((copy / "experts" / "0" / "flops.json").read_text())["flops_per_image"]
+    assert json.loads((copy / "distilled" / "flops.json").read_text())["flops_per_image"] > teacherless
+    config = yaml.safe_load((copy / "distilled" / "config.yaml").read_text())
+    assert config["train"]["objective"] == "distill" and config["data"]["cluster"] is None

@@ -26,4 +26,4 @@ def _build_source(cfg, seed: int) -> Source:
     return build_source(cfg.source, **options)
 
 
-__all__ = ["DataError", "GaussianMixture", "GMMSource", "Source", "build_data"]
+__all__ = ["ClusterLabelled", "ClusterSubset", "DataError", "GaussianMixture", "GMMSource", "Source", "build_data"]

@@ -70,3 +70,17 @@ def router_config(cfg: Config) -> Config:
                     train={"objective": "router", "images": r.images, "batch_size": r.batch_size, "lr": r.lr,
                            "accumulate": 1, "warmup_images": 0, "ema_halflife_images": 0.0,
                            "checkpoint_every": r.images, "sample_every": 0})
+
+
+def distilled_dir(cfg: Config) -> Path:
+    return ensemble_dir(cfg) / "distilled"
+
+
+def distill_config(cfg: Config, teacher: str = "cluster") -> Config:
+    """The student: the ensemble config's own network and training settings, on the whole data set, learning
+    the velocity of the expert of each image's cluster (or of the routed mixture)."""
+    _require_ddm(cfg)
+    if not (ensemble_dir(cfg) / "ensemble.json").exists():
+        raise ConfigError(f"distill: {ensemble_dir(cfg)} has no ensemble.json yet; run 'islands ddm' first")
+    return _derived(cfg, distilled_dir(cfg), data={"partition": str(partition_dir(cfg)), "cluster": None},
+                    train={"objective": "distill", "teacher": teacher})

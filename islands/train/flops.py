@@ -1,8 +1,10 @@
 """Training FLOPs of a run, counted by torch's flop counter on one step and multiplied out.
 
 The step is replayed on a copy of the network on the meta device: shapes only, so it costs no compute,
-draws no random numbers and leaves the real step (and its bits) alone. Activation checkpointing's
-recomputation is counted, since it is compute the run pays for.
+draws no random numbers and leaves the real step (and its bits) alone. An objective that cannot run on
+shapes alone (distillation asks its teacher which experts to run) is replayed once on real zeros instead,
+still on a copy and with the random state restored. Activation checkpointing's recomputation is counted,
+since it is compute the run pays for.
 """
 
 import json
@@ -15,15 +17,23 @@ from islands.nets import build_network
 from islands.train.activation_checkpointing import checkpoint_blocks
 
 
-def flops_per_image(cfg, shape: tuple, num_classes: int, objective, micro_batch: int) -> float:
-    with torch.random.fork_rng(), torch.device("meta"):
-        net = build_network(cfg.model, shape, num_classes)
-    if cfg.train.activation_checkpointing:
-        checkpoint_blocks(net)
-    x = torch.zeros(micro_batch, *shape, device="meta")
-    labels = torch.zeros(micro_batch, dtype=torch.long, device="meta")
-    with FlopCounterMode(display=False) as counter, torch.random.fork_rng():
-        objective(net, x, labels, torch.arange(micro_batch)).mean().backward()
+def flops_per_image(cfg, shape: tuple, num_classes: int, objective, micro_batch: int, device="cpu") -> float:
+    try:
+        return _replay(cfg, shape, num_classes, objective, micro_batch, torch.device("meta"))
+    except (RuntimeError, NotImplementedError):
+        return _replay(cfg, shape, num_classes, objective, micro_batch, torch.device(device))
+
+
+def _replay(cfg, shape, num_classes, objective, micro_batch, device) -> float:
+    with torch.random.fork_rng():
+        with device:
+            net = build_network(cfg.model, shape, num_classes)
+        if cfg.train.activation_checkpointing:
+            checkpoint_blocks(net)
+        x = torch.zeros(micro_batch, *shape, device=device)
+        labels = torch.zeros(micro_batch, dtype=torch.long, device=device)
+        with FlopCounterMode(display=False) as counter:
+            objective(net, x, labels, torch.arange(micro_batch)).mean().backward()
     return counter.get_total_flops() / micro_batch
 
 

@@ -17,7 +17,7 @@ import yaml
 from tqdm import tqdm
 
 from islands.config import Config, ConfigError, to_dict, trajectory_changes
-from islands.data import build_data, streams
+from islands.data import ClusterLabelled, build_data, streams
 from islands.data.loader import stream_loader
 from islands.flow.denoiser import NetworkDenoiser
 from islands.flow.objectives import training_loss
@@ -35,7 +35,7 @@ from islands.train.checkpoint import (adam_state, latest_checkpoint, read_sharde
 from islands.train.ema import EMA
 from islands.train.flops import flops_per_image, write_flops
 from islands.train.logbook import Logbook
-from islands.train.router import RouterObjective
+from islands.train.router import DistillObjective, RouterObjective
 
 
 class TrainingStopped(RuntimeError):
@@ -158,11 +158,17 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
     opt = strategy.optimizer(net, lr=cfg.train.lr, betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
     ema = EMA(net, cfg.train.ema_halflife_images, cfg.train.ema_rampup) if cfg.train.ema_halflife_images else None
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, enabled=cfg.train.precision == "fp16")
-    diffusion = cfg.train.objective == "diffusion"
-    if diffusion:
+    diffusion = cfg.train.objective != "router"  # a denoiser comes out: sample it, evaluate it
+    if cfg.train.objective == "diffusion":
         objective = DiffusionObjective(cfg, num_classes)
-    else:
+    elif cfg.train.objective == "router":
         objective = RouterObjective(cfg.seed, cfg.model.outputs, num_classes, cfg.train.label_dropout)
+    else:
+        from islands.ddm.ensemble import load_ensemble  # the outermost layer, needed by this objective only
+
+        routing = "oracle" if cfg.train.teacher == "cluster" else "full"
+        teacher, _ = load_ensemble(Path(cfg.data.partition).parent, routing, seed=cfg.seed, device=device)
+        objective = DistillObjective(cfg, num_classes, teacher, source.num_clusters)
 
     def sharded_state() -> dict:
         """What each rank holds: its shards under FSDP, its optimizer partition under ZeRO-1."""
@@ -235,7 +241,7 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
             return
         plain = network_with_weights(cfg.model, shape, num_classes, weights, device)
         record = {"images": state.images}
-        if cfg.eval.val_size:
+        if cfg.eval.val_size and isinstance(objective, DiffusionObjective):  # a distilled student has no data loss
             if probe is None:
                 probe = fixed_probe(cfg.eval.val_size)
             x0, labels = probe
@@ -243,7 +249,9 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
                                              cfg.eval.val_times)
             record.update(val_loss=sum(by_t) / len(by_t), val_loss_by_t=by_t)
         if cfg.eval.metrics != []:
-            evaluator = evaluator or Evaluator(source, cfg.eval, cfg.seed)
+            # a router or student sees every example through its partition; it is judged on the data itself
+            whole = source.source if isinstance(source, ClusterLabelled) else source
+            evaluator = evaluator or Evaluator(whole, cfg.eval, cfg.seed)
             denoiser = NetworkDenoiser(plain, objective.path, objective.prediction)
             batches = generated(denoiser, shape, cfg.eval.num, cfg.sample, cfg.seed, num_classes)
             record.update({k: v for k, v in evaluator(batches, denoiser).items() if isinstance(v, (int, float))})
@@ -260,7 +268,7 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
     batch = cfg.train.batch_size
     if main:
         micro = batch // (world.size * cfg.train.accumulate)
-        write_flops(run_dir, flops_per_image(cfg, shape, num_classes, objective, micro), run_length)
+        write_flops(run_dir, flops_per_image(cfg, shape, num_classes, objective, micro, device), run_length)
     net.train()
     try:
         while state.images < cfg.train.images:

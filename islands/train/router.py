@@ -46,3 +46,36 @@ class RouterObjective:
             accuracy.append((logits.argmax(1) == cluster).double().mean().item())
         prior = torch.bincount(cluster, minlength=self.k).max().item() / len(cluster)
         return {"t": times, "accuracy": accuracy, "majority_cluster_share": prior}
+
+
+class DistillObjective:
+    """Distillation of an ensemble into one student (McAllister et al. 2025): at x_t on the canonical path,
+    || v_student(x_t, t) - v_teacher(x_t, t) ||^2, where the teacher is the expert of the training image's
+    own cluster (oracle routing of the `Mixture`), or the routed mixture itself. Both see the same class
+    label, dropped to "none" at the student's label-dropout rate so the student also learns guidance."""
+
+    def __init__(self, cfg, num_classes: int, teacher, clusters: int):
+        from islands.flow.denoiser import NetworkDenoiser
+        from islands.flow.paths import build_path
+        from islands.flow.timesteps import TimeSampler
+
+        self.path, self.prediction = build_path(cfg.flow.path), cfg.flow.prediction  # the student's conventions
+        self.student = lambda net: NetworkDenoiser(net, self.path, self.prediction)
+        self.times = TimeSampler(cfg.flow.time_sampler, *cfg.flow.t_range, cfg.flow.logit_mean, cfg.flow.logit_std)
+        self.seed, self.num_classes, self.label_dropout = cfg.seed, num_classes, cfg.train.label_dropout
+        self.teacher, self.k, self.own_cluster = teacher, clusters, teacher.routing.policy == "oracle"
+
+    def __call__(self, net, x0: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        pos = positions.tolist()
+        noise = streams.normal(self.seed, pos, tuple(x0.shape[1:])).to(x0)
+        t = self.times(streams.uniform(self.seed, pos, "time")).to(x0)
+        x_t = (1 - t.view(-1, *[1] * (x0.dim() - 1))) * x0 + t.view(-1, *[1] * (x0.dim() - 1)) * noise
+        cluster, cond = labels % self.k, (labels // self.k if self.num_classes else None)
+        if cond is not None:
+            drop = (streams.uniform(self.seed, pos, "label_drop") < self.label_dropout).to(x0.device)
+            cond = torch.where(drop, torch.full_like(cond, self.num_classes), cond)
+        with torch.no_grad():
+            if self.own_cluster:
+                self.teacher.assign(cluster)
+            target = self.teacher(x_t, t, cond)
+        return (self.student(net)(x_t, t, cond) - target).square().flatten(1).mean(1)
