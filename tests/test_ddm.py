@@ -43,6 +43,10 @@ def ensemble(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddm")
     path = root / "ddm.yaml"
     path.write_text(yaml.safe_dump(ddm_config(root / "ensemble")))
+    # Islands need not agree on conventions: expert 3 is trained on its own, on the cosine path with epsilon
+    # prediction; `islands ddm` then skips it and the ensemble meets it in velocity space.
+    assert main(["partition", str(path), "--quiet"]) == 0
+    assert main(["train", str(path), "expert=3", "flow.path=cosine", "flow.prediction=epsilon", "--quiet"]) == 0
     assert main(["ddm", str(path), "--jobs", "2", "--quiet"]) == 0
     return validate(ddm_config(root / "ensemble")), root / "ensemble"
 
@@ -60,6 +64,9 @@ def component_of_cluster(root) -> list[int]:
 
 def test_the_ensemble_samples_every_mode_and_records_its_cost(ensemble):
     cfg, root = ensemble
+    manifest = read_manifest(root)
+    assert [(e["path"], e["prediction"]) for e in manifest["experts"]] == [("rectified_flow", "velocity")] * 3 + \
+        [("cosine", "epsilon")]
     (key, top1), = json.loads((root / "metrics.json").read_text()).items()
     assert "routing=top1" in key
     assert min(top1["mode_mass"]) > 0.005  # top-1 favours the big cluster at t = 1, but reaches every mode

@@ -328,3 +328,27 @@ def test_consistency_check_names_the_parameter_that_differs(tmp_path, perturb):
         assert all("ranks hold different weights" in v and "1.bias" in v and "0.weight" not in v for v in verdicts)
     else:
         assert verdicts == ["consistent", "consistent"]
+
+
+def test_an_expert_of_a_decentralized_model_trains_under_torchrun_with_sharding(tmp_path):
+    """Each island may use any strategy: an FSDP expert on 2 ranks follows the 1-process expert."""
+    from islands.cli import main
+
+    cfg = mlp_config(tmp_path / "ensemble")
+    cfg["ddm"] = {"k": 2, "partition": {"fine": 32}}
+    path = tmp_path / "ddm.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["partition", str(path), "--quiet"]) == 0
+    single = _write(tmp_path / "single.yaml", {**cfg, "run_dir": str(tmp_path / "single")})
+    assert main(["partition", single, "--quiet"]) == 0  # the same partition: it is deterministic
+    torch.set_num_threads(1)
+    assert main(["train", single, "expert=0", "--quiet"]) == 0
+    result = torchrun(2, cfg, tmp_path, "expert=0", "parallel.strategy=fsdp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    sharded = final_weights(tmp_path / "ensemble" / "experts" / "0")
+    assert relative_difference(final_weights(tmp_path / "single" / "experts" / "0"), sharded) < 1e-5
+
+
+def _write(path, cfg) -> str:
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
