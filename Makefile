@@ -23,10 +23,11 @@ datasets:
 	    { apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist >/dev/null; }; }; } || \
 	  echo "note: Fashion-MNIST is missing (apt-get install dataset-fashion-mnist); the tests that need it are skipped"
 
+# The main job: a Decentralized Diffusion Model on MNIST 5k (4 experts, a router) beside a monolith trained with
+# the same compute, then their metrics; about 9 minutes on 2 cores (configs/mnist5k_ddm.yaml).
 demo: $(STAMP) datasets
-	$(BIN)/islands train configs/mnist5k.yaml
-	$(BIN)/islands sample runs/mnist5k --num 100 --steps 24 --guidance 2.0 --out runs/mnist5k/demo_samples
-	@echo "The digits are in runs/mnist5k/demo_samples/grid.png"
+	$(BIN)/islands ddm configs/mnist5k_ddm.yaml --jobs 2
+	@echo "Ensemble and monolith side by side: runs/mnist5k_ddm/comparison.png (metrics: runs/mnist5k_ddm/comparison.json)"
 
 test: $(STAMP) datasets
 	$(BIN)/python -m pytest -q

@@ -15,15 +15,17 @@ Rerunning the same command resumes from the last complete checkpoint."""
 def _train(args) -> int:
     from islands.train.loop import train, run_summary
 
-    role = [o for o in args.overrides if o == "router" or o.startswith("expert=")]
+    role = [o for o in args.overrides if o in ("router", "monolith") or o.startswith("expert=")]
     cfg = load_config(args.config, [o for o in args.overrides if o not in role])
     if role:  # a member of a decentralized model, derived from the ensemble's config
-        from islands.ddm.runs import expert_config, router_config
+        from islands.ddm.runs import expert_config, monolith_config, router_config
 
         if len(role) > 1:
-            raise ConfigError(f"train: give one of expert=K and router, not {' '.join(role)}")
+            raise ConfigError(f"train: give one of expert=K, router and monolith, not {' '.join(role)}")
         if role[0] == "router":
             cfg = router_config(cfg)
+        elif role[0] == "monolith":
+            cfg = monolith_config(cfg)
         else:
             try:
                 cfg = expert_config(cfg, int(role[0].split("=", 1)[1]))

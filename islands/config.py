@@ -208,6 +208,7 @@ class DDMConfig(Section):
     partition: PartitionConfig = PartitionConfig()
     router: RouterConfig = RouterConfig()
     expert_batch: int | None = Field(None, gt=0)  # None: compute parity, train.batch_size / k
+    monolith: bool = False  # `islands ddm` also trains the plain model of this config and compares the two
 
 
 class ParallelConfig(Section):

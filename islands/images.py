@@ -51,6 +51,17 @@ def _save_figure(fig, path: Path) -> Path:
     return path
 
 
+def save_side_by_side(pictures: dict, path: Path, title: str = "") -> Path:
+    """Pictures already written (PNG), next to each other with a caption each."""
+    fig, axes = _pyplot().subplots(1, len(pictures), figsize=(4 * len(pictures), 4.4), dpi=100)
+    for ax, (caption, picture) in zip(axes, pictures.items()):
+        ax.imshow(Image.open(picture).convert("RGB"))
+        ax.set_title(caption)
+        ax.axis("off")
+    fig.suptitle(title, fontsize=9)
+    return _save_figure(fig, path)
+
+
 def save_curve(x, y, path: Path, xlabel: str, ylabel: str, title: str = "") -> Path:
     """One line plot, e.g. a router's accuracy against t."""
     fig, ax = _pyplot().subplots(figsize=(5, 3.5), dpi=100)

@@ -185,3 +185,17 @@ def test_distillation_learns_the_ensemble_in_one_network(ensemble, tmp_path):
     assert json.loads((copy / "distilled" / "flops.json").read_text())["flops_per_image"] > teacherless
     config = yaml.safe_load((copy / "distilled" / "config.yaml").read_text())
     assert config["train"]["objective"] == "distill" and config["data"]["cluster"] is None
+
+
+def test_the_monolith_of_the_same_budget_is_trained_and_compared_side_by_side(ensemble, tmp_path):
+    cfg, root = ensemble
+    path = tmp_path / "ddm.yaml"
+    path.write_text(yaml.safe_dump(ddm_config(root)))
+    assert main(["ddm", str(path), "ddm.monolith=true", "--quiet"]) == 0
+    table = json.loads((root / "comparison.json").read_text())
+    assert {"fd", "nll", "mode_mass_error", "training_flops", "expert_evaluations_per_sample"} <= set(table)
+    router = json.loads((root / "router" / "flops.json").read_text())["training_flops"]
+    # the experts (one of them on another path, the same network) cost exactly what the monolith costs
+    assert table["training_flops"]["ensemble"] - router == pytest.approx(table["training_flops"]["monolith"])
+    assert table["expert_evaluations_per_sample"] == {"ensemble": 23, "monolith": 23}
+    assert (root / "comparison.png").stat().st_size > 0

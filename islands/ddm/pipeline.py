@@ -18,9 +18,12 @@ from islands.config import Config, ConfigError, revalidate, to_dict
 from islands.data import build_data
 from islands.ddm.ensemble import load_ensemble, oracle_clusters, write_manifest
 from islands.ddm.partition import Partition, partition, save_cluster_picture
-from islands.ddm.runs import ensemble_dir, expert_config, expert_dir, partition_dir, router_config, router_dir
+from islands.ddm.runs import (ensemble_dir, expert_config, expert_dir, monolith_config, partition_dir, router_config,
+                              router_dir)
 from islands.eval.evaluate import Evaluator, build_features, format_table, generated, record
-from islands.images import save_samples_picture
+from islands.flow.samplers import evaluations_per_sample
+from islands.generate import load_denoiser
+from islands.images import save_samples_picture, save_side_by_side
 from islands.train.checkpoint import latest_checkpoint
 
 
@@ -64,6 +67,17 @@ def _finished(run: Path, images: int) -> bool:
 
 def _train_command(config: Path, role: str, threads: int) -> list[str]:
     return [sys.executable, "-m", "islands", "train", str(config), role, f"train.threads={threads}", "--quiet"]
+
+
+def _train_monolith(cfg: Config, config_path: Path, progress: bool) -> None:
+    if _finished(Path(monolith_config(cfg).run_dir), cfg.train.images):
+        return
+    if progress:
+        print("training the monolith (the same config as one model)", flush=True)
+    threads = os.cpu_count() or 1
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if subprocess.run(_train_command(config_path, "monolith", threads), env=env).returncode:
+        raise ConfigError("ddm: the monolith failed; its log is above; rerun to continue")
 
 
 def train_members(cfg: Config, config_path: Path, jobs: int = 1, progress: bool = True) -> None:
@@ -117,13 +131,58 @@ def sample_and_evaluate(cfg: Config, routing: str = "top1", progress: bool = Tru
     return record(root / "metrics.json", key, result)
 
 
+def training_flops(run: Path) -> float:
+    path = Path(run) / "flops.json"
+    return json.loads(path.read_text())["training_flops"] if path.exists() else float("nan")
+
+
+def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) -> dict:
+    """The monolith evaluated exactly like the ensemble, a side-by-side grid and a table of both."""
+    root, mono = ensemble_dir(cfg), monolith_config(cfg)
+    denoiser, _, info = load_denoiser(Path(mono.run_dir))
+    shape = tuple(info["shape"])
+    source = whole_data(cfg)
+    monolith = Evaluator(source, cfg.eval, cfg.seed, progress)(
+        generated(denoiser, shape, cfg.eval.num, cfg.sample, cfg.seed, cfg.model.num_classes, progress), denoiser)
+    monolith["expert_evaluations_per_sample"] = evaluations_per_sample(
+        cfg.sample.solver, cfg.sample.steps, cfg.sample.guidance if cfg.model.num_classes else 1.0)
+    members = [expert_dir(cfg, k) for k in range(cfg.ddm.k)] + [router_dir(cfg)]
+    ensemble = {**ensemble, "training_flops": sum(training_flops(r) for r in members)}
+    monolith["training_flops"] = training_flops(Path(mono.run_dir))
+    num = min(64, cfg.sample.num)
+    grids = {"ensemble (top-1)": root / "samples" / "top1.png"}
+    mono_grid = next(generated(denoiser, shape, num, cfg.sample, cfg.seed, cfg.model.num_classes))[0]
+    grids["monolith"] = save_samples_picture(mono_grid, root / "samples" / "monolith.png",
+                                             source.get(list(range(2000)))[0] if len(shape) == 1 else None)
+    save_side_by_side(grids, root / "comparison.png", "the experts together cost what the monolith costs (the router "
+                      "comes on top); the same noise for both")
+    names = [k for k, v in ensemble.items() if isinstance(v, (int, float)) and k in monolith]
+    table = {name: {"ensemble": ensemble[name], "monolith": monolith[name]} for name in names}
+    (root / "comparison.json").write_text(json.dumps(table, indent=1))
+    return table
+
+
+def format_comparison(table: dict) -> str:
+    width = max(len(k) for k in table)
+    lines = [f"{'':<{width}}  {'ensemble':>12}  {'monolith':>12}"]
+    for name, row in table.items():
+        lines.append(f"{name:<{width}}  {row['ensemble']:>12.5g}  {row['monolith']:>12.5g}")
+    return "\n".join(lines)
+
+
 def run_ddm(cfg: Config, config_path: Path, jobs: int = 1, progress: bool = True) -> dict:
     _save_ensemble_config(cfg)
     run_partition(cfg, progress)
     train_members(cfg, config_path, jobs, progress)
+    if cfg.ddm.monolith:
+        _train_monolith(cfg, config_path, progress)
     write_manifest(cfg)
     result = sample_and_evaluate(cfg, "top1", progress)
-    if progress:
+    if cfg.ddm.monolith:
+        table = compare_with_monolith(cfg, result, progress)
+        print(format_comparison(table))
+        print(f"pictures: {ensemble_dir(cfg) / 'comparison.png'}")
+    elif progress:
         print(format_table(result))
     return result
 

@@ -6,8 +6,8 @@ ENSEMBLE/router/        the router: an ordinary run with the router objective (`
 ENSEMBLE/ensemble.json  the manifest that sampling reads
 
 An expert reads the partition and nothing of the other experts. Compute parity (the paper's recipe): each
-expert's batch is the global batch / K and it sees train.images / K images, so the K experts together
-cost what the monolith of the same config costs.
+expert's batch is the global batch / K and it takes the monolith's number of steps (every count of images
+in its schedule shrinks by K), so the K experts together cost what the monolith of the same config costs.
 """
 
 from pathlib import Path
@@ -54,9 +54,14 @@ def expert_config(cfg: Config, k: int) -> Config:
     batch = cfg.ddm.expert_batch or cfg.train.batch_size // cfg.ddm.k
     if batch < 1 or batch % cfg.train.accumulate:
         raise ConfigError(f"ddm.expert_batch: {batch} does not split into train.accumulate={cfg.train.accumulate}")
-    images = max(batch, cfg.train.images * batch // cfg.train.batch_size)  # the monolith's number of steps
-    return _derived(cfg, expert_dir(cfg, k), data={"partition": str(partition_dir(cfg)), "cluster": k},
-                    train={"batch_size": batch, "images": images})
+    # The monolith's schedule in steps: every count of images shrinks with the batch.
+    scale = batch / cfg.train.batch_size
+    t = cfg.train
+    train = {"batch_size": batch, "images": max(batch, round(t.images * scale)),
+             "warmup_images": round(t.warmup_images * scale), "ema_halflife_images": t.ema_halflife_images * scale,
+             "checkpoint_every": max(1, round(t.checkpoint_every * scale)),
+             "sample_every": round(t.sample_every * scale), "log_every": max(1, round(t.log_every * scale))}
+    return _derived(cfg, expert_dir(cfg, k), data={"partition": str(partition_dir(cfg)), "cluster": k}, train=train)
 
 
 def router_config(cfg: Config) -> Config:
@@ -70,6 +75,11 @@ def router_config(cfg: Config) -> Config:
                     train={"objective": "router", "images": r.images, "batch_size": r.batch_size, "lr": r.lr,
                            "accumulate": 1, "warmup_images": 0, "ema_halflife_images": 0.0,
                            "checkpoint_every": r.images, "sample_every": 0})
+
+
+def monolith_config(cfg: Config) -> Config:
+    """The plain model of the same config and training budget, the ensemble's yardstick."""
+    return _derived(cfg, ensemble_dir(cfg) / "monolith")
 
 
 def distilled_dir(cfg: Config) -> Path:
