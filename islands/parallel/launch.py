@@ -4,6 +4,7 @@ Run under torchrun, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MAS
 them the run is a single process and nothing is initialised.
 """
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,4 +63,8 @@ def init_world(timeout_s: float = 600.0) -> World:
 
 def close_world() -> None:
     if dist.is_initialized():
+        # DDP, FSDP's device mesh and pending work keep the process group alive through reference cycles;
+        # freed later, during interpreter shutdown, gloo's threads abort the process
+        # ("terminate called without an active exception"). Free them while Python is whole.
+        gc.collect()
         dist.destroy_process_group()
