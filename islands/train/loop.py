@@ -200,15 +200,19 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
         return write_checkpoint(run_dir, state.images, sharded_state(), exports, trainer, {"progress": asdict(state)},
                                 cfg.train.keep_checkpoints, main, strategy.barrier)
 
+    def plain_copy() -> torch.nn.Module | None:
+        """The averaged (else the raw) weights in a plain network on rank 0; every rank takes part in
+        gathering them, and the others get None."""
+        weights = strategy.full_state_dict((ema if ema is not None else net).state_dict())
+        return network_with_weights(cfg.model, shape, num_classes, weights, device) if main else None
+
     def save_samples() -> None:
         if not diffusion:
             return save_router_accuracy()
-        # every rank takes part in gathering the weights; rank 0 alone draws
-        weights = strategy.full_state_dict((ema if ema is not None else net).state_dict())
+        plain = plain_copy()
         if not main:
             return
-        sampler = NetworkDenoiser(network_with_weights(cfg.model, shape, num_classes, weights, device),
-                                  objective.path, objective.prediction)
+        sampler = NetworkDenoiser(plain, objective.path, objective.prediction)
         num = min(cfg.sample.num, 64 if len(shape) == 3 else 2000)  # a legible grid, or a dense scatter
         labels = sample_labels(num, num_classes)
         x = generate(sampler, shape, num, cfg.sample, cfg.seed, labels, device=device)
@@ -223,10 +227,9 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
         return source.get(order[:size].tolist())
 
     def save_router_accuracy() -> None:
-        weights = strategy.full_state_dict((ema if ema is not None else net).state_dict())
+        plain = plain_copy()
         if not main:
             return
-        plain = network_with_weights(cfg.model, shape, num_classes, weights, device)
         x0, labels = fixed_probe(min(len(source), 2000))
         report = {"images": state.images, **objective.accuracy_by_t(plain, x0.to(device), labels.to(device))}
         (run_dir / "router_accuracy.json").write_text(json.dumps(report, indent=1))
@@ -236,10 +239,9 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
 
     def evaluate() -> None:
         nonlocal evaluator, probe
-        weights = strategy.full_state_dict((ema if ema is not None else net).state_dict())
+        plain = plain_copy()
         if not main:
             return
-        plain = network_with_weights(cfg.model, shape, num_classes, weights, device)
         record = {"images": state.images}
         if cfg.eval.val_size and isinstance(objective, DiffusionObjective):  # a distilled student has no data loss
             if probe is None:
