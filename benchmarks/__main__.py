@@ -7,7 +7,7 @@ import argparse
 import importlib
 import time
 
-BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "parallel", "fd_scale"]
+BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "parallel", "fd_scale", "ddm_gmm"]
 
 
 def main() -> None:
