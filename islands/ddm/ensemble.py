@@ -6,6 +6,7 @@ and nothing is ever unpickled. An expert that is missing from disk or never fini
 usable: the router renormalises over the experts that exist, and a warning names the missing one.
 """
 
+import functools
 import hashlib
 import json
 import warnings
@@ -95,6 +96,11 @@ def _network(entry: dict, path: Path, device) -> torch.nn.Module:
     return network_with_weights(model_cfg, tuple(entry["shape"]), entry["num_classes"], load_weights(path), device)
 
 
+def _expert(entry: dict, path: Path, device) -> NetworkDenoiser:
+    """An expert in the canonical frame, whatever path and prediction it was trained with."""
+    return NetworkDenoiser(_network(entry, path, device), entry["path"], entry["prediction"])
+
+
 class LearnedRouter:
     def __init__(self, net: torch.nn.Module):
         self.net = net
@@ -111,10 +117,7 @@ def load_ensemble(root: Path, routing: str = "top1", max_loaded: int | None = No
     slots = []
     for entry in manifest["experts"]:
         path = _verified(root, entry)
-        load = None
-        if path is not None:
-            def load(entry=entry, path=path):
-                return NetworkDenoiser(_network(entry, path, device), entry["path"], entry["prediction"])
+        load = None if path is None else functools.partial(_expert, entry, path, device)
         slots.append(ExpertSlot(entry["name"], load))
     if not any(slot.available for slot in slots):
         raise CheckpointError(f"{root}: no expert of the ensemble is available")

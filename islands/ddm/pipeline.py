@@ -5,6 +5,7 @@ continues. `--jobs J` trains J experts at once, the cores split between them. `-
 writes one launch script per island instead, for islands that share only a storage location.
 """
 
+import functools
 import json
 import os
 import shlex
@@ -100,16 +101,18 @@ def train_members(cfg: Config, config_path: Path, jobs: int = 1, progress: bool 
             raise ConfigError("ddm: the router failed; its log is above; rerun to continue")
 
 
+def _assign_oracle(mixture, prior: list[float], seed: int, lo: int, hi: int) -> None:
+    mixture.assign(oracle_clusters(prior, seed, lo, hi - lo))
+
+
 def sample_and_evaluate(cfg: Config, routing: str = "top1", progress: bool = True) -> dict:
     """The ensemble's sample grid and its metrics against the whole data set (ENSEMBLE/metrics.json)."""
     root = ensemble_dir(cfg)
     mixture, manifest = load_ensemble(root, routing, seed=cfg.seed)
     shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)
     num_classes = cfg.model.num_classes
-    prepare = None
-    if routing == "oracle":  # each sample keeps one expert, drawn from the cluster sizes by its own stream
-        def prepare(lo, hi):
-            mixture.assign(oracle_clusters(manifest["prior"], cfg.seed, lo, hi - lo))
+    # oracle: each sample keeps one expert, drawn from the cluster sizes by its own stream
+    prepare = functools.partial(_assign_oracle, mixture, manifest["prior"], cfg.seed) if routing == "oracle" else None
     source = whole_data(cfg)
     evaluator = Evaluator(source, cfg.eval, cfg.seed, progress)
     mixture.reset_counts()
