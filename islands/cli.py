@@ -142,6 +142,11 @@ def _eval(args) -> int:
     return 0
 
 
+def _ensemble_config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config with a ddm section; its run_dir is the ensemble directory")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="islands", description="Train and sample diffusion / flow-matching models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -199,16 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Extract features, cluster the data in two stages (fine centroids, then ddm.k "
                                    "coarse clusters over them) and write RUN_DIR/partition (partition.json, "
                                    "assignments.npz, clusters.png).")
-    p.add_argument("config", help="YAML config with a ddm section; its run_dir is the ensemble directory")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
+    _ensemble_config_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_partition)
 
     p = sub.add_parser("ddm", help="partition, experts, router, samples and metrics of a decentralized model",
                        description="Run every step of a Decentralized Diffusion Model on this machine, skipping "
                                    "steps already complete (rerunning continues), or write launch scripts.")
-    p.add_argument("config", help="YAML config with a ddm section; its run_dir is the ensemble directory")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
+    _ensemble_config_arguments(p)
     p.add_argument("--jobs", type=int, default=1, help="experts trained at once, the cores split between them")
     p.add_argument("--emit", choices=["torchrun", "slurm"],
                    help="write one launch script per island into RUN_DIR/launch instead of running")

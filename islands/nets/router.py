@@ -10,7 +10,7 @@ from torch import nn
 
 from islands.nets.dit import DiTBlock, sincos_2d
 from islands.nets.layers import ConditionEmbedder
-from islands.nets.mlp import ResidualBlock
+from islands.nets.mlp import MLP
 
 
 class TransformerRouter(nn.Module):
@@ -37,22 +37,11 @@ class TransformerRouter(nn.Module):
         return self.head(self.norm(h.mean(1)))
 
 
-class MLPRouter(nn.Module):
-    def __init__(self, dim, outputs, hidden=128, depth=4, num_classes=0):
-        super().__init__()
-        self.num_classes = num_classes
-        self.embed = ConditionEmbedder(hidden, num_classes)
-        self.proj_in = nn.Linear(dim, hidden)
-        self.blocks = nn.ModuleList(ResidualBlock(hidden) for _ in range(depth))
-        self.norm = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, outputs)
-
-    def forward(self, x, t, cond=None):
-        emb = self.embed(t, cond)
-        h = self.proj_in(x) + emb
-        for block in self.blocks:
-            h = block(h, emb)
-        return self.head(self.norm(h))
+def mlp_router(dim, outputs, hidden=128, depth=4, num_classes=0) -> MLP:
+    """The denoising MLP with its output layer replaced by logits over the clusters."""
+    net = MLP(dim, hidden=hidden, depth=depth, num_classes=num_classes)
+    net.proj_out = nn.Linear(hidden, outputs)  # default initialisation, not the denoiser's zeros
+    return net
 
 
 def route(router: nn.Module, x: torch.Tensor, t: torch.Tensor, cond=None) -> torch.Tensor:

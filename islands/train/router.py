@@ -10,8 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from islands.data import streams
+from islands.flow.denoiser import broadcast
 
 ACCURACY_TIMES = 10  # bins of t for the accuracy report
+
+
+def canonical_x_t(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """x_t = (1 - t) x0 + t eps, the canonical path both the router and the ensemble it serves live on."""
+    return (1 - broadcast(t, x0)) * x0 + broadcast(t, x0) * noise
 
 
 class RouterObjective:
@@ -26,7 +32,7 @@ class RouterObjective:
         pos = positions.tolist()
         noise = streams.normal(self.seed, pos, tuple(x0.shape[1:])).to(x0)
         t = streams.uniform(self.seed, pos, "time").to(x0)
-        x_t = (1 - t.view(-1, *[1] * (x0.dim() - 1))) * x0 + t.view(-1, *[1] * (x0.dim() - 1)) * noise
+        x_t = canonical_x_t(x0, noise, t)
         cluster, cls = self.split(labels)
         if cls is not None:
             drop = (streams.uniform(self.seed, pos, "label_drop") < self.label_dropout).to(x0.device)
@@ -69,7 +75,7 @@ class DistillObjective:
         pos = positions.tolist()
         noise = streams.normal(self.seed, pos, tuple(x0.shape[1:])).to(x0)
         t = self.times(streams.uniform(self.seed, pos, "time")).to(x0)
-        x_t = (1 - t.view(-1, *[1] * (x0.dim() - 1))) * x0 + t.view(-1, *[1] * (x0.dim() - 1)) * noise
+        x_t = canonical_x_t(x0, noise, t)
         cluster, cond = labels % self.k, (labels // self.k if self.num_classes else None)
         if cond is not None:
             drop = (streams.uniform(self.seed, pos, "label_drop") < self.label_dropout).to(x0.device)
