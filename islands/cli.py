@@ -36,6 +36,15 @@ def _train(args) -> int:
     return 0
 
 
+def _sample_options(cfg, args):
+    """The run's sample section with the command line's options in place of its values, checked again."""
+    from islands.config import revalidate
+
+    return revalidate(cfg.sample, "sample", **{k: v for k, v in {
+        "steps": args.steps, "solver": args.solver, "grid": args.grid, "guidance": args.guidance,
+        "batch_size": args.batch_size, "precision": args.precision}.items() if v is not None})
+
+
 def _sample(args) -> int:
     import torch
 
@@ -46,10 +55,7 @@ def _sample(args) -> int:
     if args.routing or args.max_loaded:
         raise ConfigError(f"--routing: {args.run_dir} is not an ensemble directory (no ensemble.json)")
     denoiser, cfg, info = load_denoiser(Path(args.run_dir), use_ema=not args.no_ema)
-    opts = cfg.sample.model_copy(update={k: v for k, v in {
-        "steps": args.steps, "solver": args.solver, "grid": args.grid, "guidance": args.guidance,
-        "batch_size": args.batch_size}.items() if v is not None})
-    opts = type(opts).model_validate(opts.model_dump())  # re-check command-line values
+    opts = _sample_options(cfg, args)
     if args.class_label is not None and not 0 <= args.class_label < max(info["num_classes"], 1):
         raise ConfigError(f"--class: {args.class_label} is not a class of this model ({info['num_classes']} classes)")
     if args.threads:
@@ -65,7 +71,7 @@ def _sample(args) -> int:
 def _sample_ensemble(args) -> int:
     import torch
 
-    from islands.ddm.ensemble import load_ensemble, oracle_clusters
+    from islands.ddm.ensemble import load_ensemble, oracle_preparation
     from islands.flow.samplers import evaluations_per_sample
     from islands.generate import generate, sample_labels, write_samples
 
@@ -75,13 +81,11 @@ def _sample_ensemble(args) -> int:
     mixture, manifest = load_ensemble(Path(args.run_dir), args.routing or "top1", args.max_loaded, cfg.seed)
     shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)  # load_ensemble ensured one
     num_classes = cfg.model.num_classes
-    opts = cfg.sample.model_copy(update={k: v for k, v in {
-        "steps": args.steps, "solver": args.solver, "grid": args.grid, "guidance": args.guidance,
-        "batch_size": args.batch_size}.items() if v is not None})
+    opts = _sample_options(cfg, args)
     seed = cfg.seed if args.seed is None else args.seed
     labels = sample_labels(args.num, num_classes, args.class_label)
     oracle = (args.routing or "").startswith("oracle")
-    prepare = (lambda lo, hi: mixture.assign(oracle_clusters(manifest["prior"], seed, lo, hi - lo))) if oracle else None
+    prepare = oracle_preparation(mixture, manifest, seed) if oracle else None
     x = generate(mixture, shape, args.num, opts, seed, labels, progress=not args.quiet, prepare=prepare)
     for path in write_samples(x, labels, Path(args.out)):
         print(f"wrote {path}")
@@ -174,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="noise seed; sample i depends only on (seed, i) (default: the run's seed)")
     p.add_argument("--class", dest="class_label", type=int, help="generate only this class (conditional models)")
     p.add_argument("--batch-size", type=int, help="samples per batch; does not change the samples")
+    p.add_argument("--precision", choices=["fp32", "bf16"],
+                   help="bf16: the networks under bf16 autocast, about 2.5x faster on CPUs with avx512_bf16 "
+                        "(default: sample.precision)")
     p.add_argument("--threads", type=int, help="torch threads")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
     p.add_argument("--routing", help="ensembles only: full, top1 (default), topk:K, threshold:P, sample or oracle")

@@ -168,6 +168,7 @@ class SampleConfig(Section):
     grid: Literal["uniform", "edm", "shifted"] = "uniform"
     guidance: float = Field(1.0, ge=0)
     batch_size: int = Field(256, gt=0)
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: the networks' matmuls under autocast; the ODE stays fp32
 
 
 class EvalConfig(Section):

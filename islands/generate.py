@@ -4,6 +4,7 @@ Sample i always starts from the noise keyed on (seed, i), so the same seed gives
 whatever the batch size or the number of samples asked for.
 """
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -63,23 +64,32 @@ def sample_labels(num: int, num_classes: int, class_label: int | None = None) ->
     return torch.arange(num) % num_classes
 
 
+def sampling_precision(precision: str, device: torch.device):
+    """bf16 autocast for the networks' convolutions and matmuls; the solver's state and arithmetic stay float32,
+    since every Denoiser returns its velocity in the dtype of x."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
 @torch.no_grad()
 def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleConfig, seed: int,
              labels: torch.Tensor | None = None, first: int = 0, progress: bool = False,
              device: torch.device | str = "cpu", prepare=None) -> torch.Tensor:
     """Samples first .. first + num - 1 of the stream keyed on `seed`, in batches of opts.batch_size.
-    `prepare(lo, hi)`, if given, is called before the samples lo .. hi - 1 are drawn (e.g. to fix each
-    sample's expert for oracle routing)."""
+    `prepare(lo, hi, labels)`, if given, is called before the samples lo .. hi - 1 are drawn, with their labels
+    (e.g. to fix each sample's expert for oracle routing)."""
     out = []
     bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
     for lo in range(0, num, opts.batch_size):
         hi = min(num, lo + opts.batch_size)
         noise = streams.normal(seed, list(range(first + lo, first + hi)), shape, "sample").to(device)
-        if prepare is not None:
-            prepare(first + lo, first + hi)
         cond = None if labels is None else labels[lo:hi].to(device)
-        x = sample(denoiser, noise, steps=opts.steps, solver=opts.solver, grid=opts.grid,
-                   guidance=opts.guidance, cond=cond)
+        if prepare is not None:
+            prepare(first + lo, first + hi, cond)
+        with sampling_precision(opts.precision, noise.device):
+            x = sample(denoiser, noise, steps=opts.steps, solver=opts.solver, grid=opts.grid,
+                       guidance=opts.guidance, cond=cond)
         out.append(x.float().cpu())
         bar.update(hi - lo)
     bar.close()

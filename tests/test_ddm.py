@@ -91,6 +91,9 @@ def test_experts_see_only_their_cluster_and_cost_what_the_monolith_costs(ensembl
     assert total == pytest.approx(per_image[0] * cfg.train.images)  # = the monolith of this config
     router = json.loads((root / "router" / "flops.json").read_text())
     assert router["training_flops"] > 0 and router_config(cfg).train.objective == "router"
+    # the manifest's p(cluster | class): every component lies whole in its own cluster
+    by_class = np.array(read_manifest(root)["prior_by_class"])
+    assert np.allclose(by_class[component_of_cluster(root), range(4)], 1.0)
 
 
 def test_the_trained_router_approaches_the_exact_posterior(ensemble):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from islands.data.gmm import GaussianMixture
+from islands.ddm.ensemble import oracle_clusters
 from islands.ddm.mixture import ExpertSlot, Mixture, PriorRouter, Routing, parse_routing
 from islands.flow.samplers import evaluations_per_sample, sample
 
@@ -319,3 +320,20 @@ def test_misuse_is_reported():
         oracle(x, t)
     with pytest.raises(ValueError, match="shape"):
         Mixture(slots, table_router(PROBS[:, :3]), routing="full")(x, t)
+
+
+def test_oracle_draws_a_conditional_sample_from_the_clusters_of_its_class():
+    manifest = {"prior": [0.5, 0.3, 0.2], "prior_by_class": [[0.0, 1.0, 0.0], [0.25, 0.0, 0.75]]}
+    n = 30_000
+    labels = torch.arange(n) % 3  # 2 = no label (2 classes)
+    drawn = oracle_clusters(manifest, seed=0, first=0, num=n, labels=labels)
+    share = lambda c: torch.bincount(drawn[labels == c], minlength=3).double() / (labels == c).sum()
+    assert (drawn[labels == 0] == 1).all()  # a class held by one cluster always goes to that expert
+    # 10k draws each: the standard error of a share is at most 0.005
+    assert torch.allclose(share(1), torch.tensor([0.25, 0.0, 0.75], dtype=torch.float64), atol=0.02)
+    assert torch.allclose(share(2), torch.tensor(manifest["prior"], dtype=torch.float64), atol=0.02)
+    # sample i's draw is its own, whatever batch it comes in
+    assert torch.equal(oracle_clusters(manifest, 0, 100, 50, labels[100:150]), drawn[100:150])
+    # unconditional samples (or a partition without classes) draw from the cluster sizes
+    sizes = torch.bincount(oracle_clusters(manifest, 0, 0, n), minlength=3).double() / n
+    assert torch.allclose(sizes, torch.tensor(manifest["prior"], dtype=torch.float64), atol=0.02)

@@ -133,6 +133,10 @@ def test_two_stage_kmeans_partition_finds_the_components(blobs, blob_partition):
     # each example sits in the coarse cluster nearest to its fine centroid's
     nearest = ((p.fine_centroids[:, None] - p.coarse_centroids[None]) ** 2).sum(-1).argmin(1)
     assert np.array_equal(p.cluster, nearest[p.fine_assignment])
+    # what each class holds of each cluster, for oracle routing of conditional samples
+    assert np.array_equal(np.array(p.sizes_by_class), contingency(truth, p.cluster))
+    unlabelled = _ArraySource(blobs.get(np.arange(len(blobs)))[0], None, 0)
+    assert partition(unlabelled, 4, fine=64, balanced=False).sizes_by_class is None
 
 
 def test_balanced_two_stage_partition_evens_out_the_clusters(blobs):
@@ -232,6 +236,12 @@ def test_corrupt_or_pickled_files_are_refused_by_name_without_running_anything(t
     tampered["sizes"] = tampered["sizes"][::-1]
     meta.write_text(json.dumps(tampered))
     with pytest.raises(ValueError, match="does not match"):
+        Partition.load(directory)
+    blob_partition.save(directory)
+    tampered = json.loads(meta.read_text())
+    tampered["sizes_by_class"][0][0] += 1
+    meta.write_text(json.dumps(tampered))
+    with pytest.raises(ValueError, match="partition.json: sizes_by_class does not add up"):
         Partition.load(directory)
     meta.unlink()
     with pytest.raises(ValueError, match="partition.json"):

@@ -74,3 +74,17 @@ def test_same_seed_same_sample_whatever_the_batch(make, shape):
     assert torch.allclose(tail, batched[12:], atol=1e-5)
     other_seed = generate(denoiser, shape, 16, SampleConfig(steps=6, solver="heun", guidance=1.5), 8, labels)
     assert not torch.allclose(other_seed, batched, atol=1e-3)
+
+
+def test_bf16_sampling_runs_the_network_in_bf16_and_keeps_the_solver_in_fp32():
+    net = _perturbed(UNet(1, 8, channels=16, channel_mult=(1, 2), num_res_blocks=1, attention_resolutions=(4,)))
+    seen = []
+    net.conv_in.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    denoiser = NetworkDenoiser(net)
+    x = {precision: generate(denoiser, (1, 8, 8), 6, SampleConfig(steps=4, batch_size=4, precision=precision), seed=3)
+         for precision in ("fp32", "bf16")}
+    assert set(seen) == {torch.float32, torch.bfloat16}  # the convolutions ran in bf16 under autocast only
+    assert x["bf16"].dtype == torch.float32
+    scale = x["fp32"].std().item()
+    error = (x["bf16"] - x["fp32"]).abs().max().item()
+    assert 0 < error < 0.05 * scale, (error, scale)  # bf16's 8-bit mantissa: close, but really bf16

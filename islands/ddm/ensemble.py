@@ -56,8 +56,12 @@ def write_manifest(cfg: Config) -> dict:
     sizes = partition["sizes"]
     experts = [{**_entry(root, expert_dir(cfg, k), f"expert{k}"), "cluster": k, "size": sizes[k]}
                for k in range(cfg.ddm.k)]
-    manifest = {"k": cfg.ddm.k, "prior": [s / sum(sizes) for s in sizes], "partition": partition.get("method"),
+    prior = [s / sum(sizes) for s in sizes]
+    manifest = {"k": cfg.ddm.k, "prior": prior, "partition": partition.get("method"),
                 "experts": experts, "router": _entry(root, router_dir(cfg), "router")}
+    if partition.get("sizes_by_class"):  # p(cluster | class), for oracle routing of class-conditional samples
+        manifest["prior_by_class"] = [[c / sum(row) for c in row] if sum(row) else prior
+                                      for row in partition["sizes_by_class"]]
     tmp = root / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     tmp.replace(root / MANIFEST)
@@ -127,10 +131,22 @@ def load_ensemble(root: Path, routing: str = "top1", max_loaded: int | None = No
     return Mixture(slots, router, routing=routing, max_loaded=max_loaded, seed=seed), manifest
 
 
-def oracle_clusters(prior: list[float], seed: int, first: int, num: int) -> torch.Tensor:
-    """Sample i's cluster, drawn from the cluster prior by its own stream (the same at any batch size)."""
+def oracle_clusters(manifest: dict, seed: int, first: int, num: int, labels: torch.Tensor | None = None):
+    """Sample i's cluster, drawn by its own stream (the same at any batch size) from the cluster sizes, or, for a
+    class-conditional sample, from p(cluster | its class): a trouser must go to an expert that has seen trousers.
+    Label `num_classes` (no label) draws from the sizes."""
     from islands.data import streams
 
     u = streams.uniform(seed, list(range(first, first + num)), "oracle").double()
-    edges = torch.tensor(prior, dtype=torch.float64).cumsum(0)
-    return torch.searchsorted(edges, u * edges[-1], right=True).clamp(max=len(prior) - 1)
+    prior = torch.tensor(manifest["prior"], dtype=torch.float64).expand(num, -1)
+    if labels is not None and manifest.get("prior_by_class"):
+        table = torch.tensor(manifest["prior_by_class"] + [manifest["prior"]], dtype=torch.float64)
+        prior = table[torch.as_tensor(labels, dtype=torch.long).cpu()]
+    edges = prior.cumsum(1)
+    drawn = torch.searchsorted(edges, (u * edges[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    return drawn.clamp(max=prior.shape[1] - 1)
+
+
+def oracle_preparation(mixture: Mixture, manifest: dict, seed: int):
+    """For `generate`: before each batch, fix every sample's expert as oracle routing draws it."""
+    return lambda lo, hi, labels: mixture.assign(oracle_clusters(manifest, seed, lo, hi - lo, labels))

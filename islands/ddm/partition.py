@@ -205,6 +205,11 @@ class Partition:
     fine_centroids: np.ndarray = field(default_factory=lambda: _empty(np.float32, 2))
     coarse_centroids: np.ndarray = field(default_factory=lambda: _empty(np.float32, 2))
     fine_assignment: np.ndarray = field(default_factory=lambda: _empty(np.int64, 1))
+    sizes_by_class: list[list[int]] | None = None  # [class][cluster] counts, for labelled data
+
+    def __post_init__(self):
+        if self.sizes_by_class is not None and ([sum(col) for col in zip(*self.sizes_by_class)] != list(self.sizes)):
+            raise PartitionError(f"sizes_by_class does not add up to the cluster sizes {self.sizes}")
 
     def members(self, index: int) -> np.ndarray:
         """Sorted indices of the examples in cluster `index`."""
@@ -224,6 +229,8 @@ class Partition:
         directory.mkdir(parents=True, exist_ok=True)
         arrays = {name: getattr(self, name) for name in ARRAY_NAMES}
         meta = {key: getattr(self, key) for key in META_KEYS} | {"n": len(self.cluster)}
+        if self.sizes_by_class is not None:
+            meta["sizes_by_class"] = self.sizes_by_class
         _write_atomically(directory / ARRAYS_FILE, lambda f: np.savez(f, **arrays))
         _write_atomically(directory / META_FILE, lambda f: f.write(json.dumps(meta, indent=1).encode()))
         return directory
@@ -234,7 +241,7 @@ class Partition:
         meta_path, arrays_path = directory / META_FILE, directory / ARRAYS_FILE
         try:
             meta = json.loads(meta_path.read_text())
-            fields = {key: meta[key] for key in META_KEYS}
+            fields = {key: meta[key] for key in META_KEYS} | {"sizes_by_class": meta.get("sizes_by_class")}
             n = int(meta["n"])
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise PartitionError(f"cannot read {meta_path}: {type(err).__name__}: {err}") from None
@@ -251,7 +258,10 @@ class Partition:
                 and np.bincount(cluster, minlength=k).tolist() == sizes):
             raise PartitionError(f"{arrays_path} does not match {meta_path}: expected the clusters of {n} examples "
                                  f"with sizes {sizes}")
-        return cls(**fields, **arrays)
+        try:
+            return cls(**fields, **arrays)
+        except (PartitionError, TypeError) as err:
+            raise PartitionError(f"{meta_path}: {err}") from None
 
 
 def _write_atomically(path: Path, write) -> None:
@@ -308,15 +318,24 @@ def partition(source: Source, k: int, method: str = "kmeans", features: Features
                                                        or pca_dim < 1):
         raise ConfigError(f"ddm.partition.pca_dim: must be a positive int or null, got {pca_dim!r}")
 
-    common = {"k": k, "method": method, "data_sha256": data_fingerprint(source), "seed": seed, "balanced": balanced}
+    labels = _labels(source) if source.num_classes else None
+
+    def made(cluster: np.ndarray, features_name: str, **centroids) -> Partition:
+        by_class = None
+        if labels is not None:  # what oracle routing of a class-conditional ensemble draws from: p(cluster | class)
+            by_class = np.zeros((source.num_classes, k), dtype=np.int64)
+            np.add.at(by_class, (labels, cluster), 1)
+            by_class = by_class.tolist()
+        return Partition(cluster, np.bincount(cluster, minlength=k).tolist(), k, method, features_name,
+                         data_fingerprint(source), seed, balanced, **centroids, sizes_by_class=by_class)
+
     if method == "random":
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
         cluster = np.empty(n, dtype=np.int64)
         cluster[order] = np.arange(n) % k
-        return Partition(cluster, np.bincount(cluster, minlength=k).tolist(), features_name="none", **common)
+        return made(cluster, "none")
     if method == "label":
-        cluster = _deal_classes(_labels(source), k)
-        return Partition(cluster, np.bincount(cluster, minlength=k).tolist(), features_name="labels", **common)
+        return made(_deal_classes(labels, k), "labels")
 
     features = features or Pixels()
     z = features.of_source(source, progress=progress).float()
@@ -327,10 +346,8 @@ def partition(source: Source, k: int, method: str = "kmeans", features: Features
     counts = torch.bincount(fine_assignment, minlength=len(fine_centroids))
     coarse_centroids, coarse_of_fine = kmeans(fine_centroids, k, seed, weights=counts.float(), balanced=balanced,
                                               progress=progress)
-    cluster = coarse_of_fine[fine_assignment].numpy()
-    return Partition(cluster, np.bincount(cluster, minlength=k).tolist(), features_name=name, **common,
-                     fine_centroids=fine_centroids.numpy(), coarse_centroids=coarse_centroids.numpy(),
-                     fine_assignment=fine_assignment.numpy())
+    return made(coarse_of_fine[fine_assignment].numpy(), name, fine_centroids=fine_centroids.numpy(),
+                coarse_centroids=coarse_centroids.numpy(), fine_assignment=fine_assignment.numpy())
 
 
 # --- a picture of the clusters ------------------------------------------------------------------------------------

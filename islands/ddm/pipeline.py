@@ -17,7 +17,7 @@ import yaml
 
 from islands.config import Config, ConfigError, revalidate, to_dict
 from islands.data import build_data
-from islands.ddm.ensemble import load_ensemble, oracle_clusters, write_manifest
+from islands.ddm.ensemble import load_ensemble, oracle_preparation, write_manifest
 from islands.ddm.partition import Partition, partition, save_cluster_picture
 from islands.ddm.runs import (ensemble_dir, expert_config, expert_dir, monolith_config, partition_dir, router_config,
                               router_dir)
@@ -101,18 +101,14 @@ def train_members(cfg: Config, config_path: Path, jobs: int = 1, progress: bool 
             raise ConfigError("ddm: the router failed; its log is above; rerun to continue")
 
 
-def _assign_oracle(mixture, prior: list[float], seed: int, lo: int, hi: int) -> None:
-    mixture.assign(oracle_clusters(prior, seed, lo, hi - lo))
-
-
 def sample_and_evaluate(cfg: Config, routing: str = "top1", progress: bool = True) -> dict:
     """The ensemble's sample grid and its metrics against the whole data set (ENSEMBLE/metrics.json)."""
     root = ensemble_dir(cfg)
     mixture, manifest = load_ensemble(root, routing, seed=cfg.seed)
     shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)
     num_classes = cfg.model.num_classes
-    # oracle: each sample keeps one expert, drawn from the cluster sizes by its own stream
-    prepare = functools.partial(_assign_oracle, mixture, manifest["prior"], cfg.seed) if routing == "oracle" else None
+    # oracle: each sample keeps one expert, drawn by its own stream from p(cluster | class) or the cluster sizes
+    prepare = oracle_preparation(mixture, manifest, cfg.seed) if routing == "oracle" else None
     source = whole_data(cfg)
     evaluator = Evaluator(source, cfg.eval, cfg.seed, progress)
     mixture.reset_counts()
