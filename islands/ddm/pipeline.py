@@ -5,8 +5,8 @@ continues. `--jobs J` trains J experts at once, the cores split between them. `-
 writes one launch script per island instead, for islands that share only a storage location.
 """
 
-import functools
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -26,6 +26,8 @@ from islands.flow.samplers import evaluations_per_sample
 from islands.generate import load_denoiser
 from islands.images import save_samples_picture, save_side_by_side
 from islands.train.checkpoint import latest_checkpoint
+from islands.train.flops import flops_per_image
+from islands.train.loop import DiffusionObjective
 
 
 def whole_data(cfg: Config):
@@ -66,18 +68,37 @@ def _finished(run: Path, images: int) -> bool:
     return ckpt is not None and json.loads((ckpt / "state.json").read_text())["progress"]["images"] >= images
 
 
-def _train_command(config: Path, role: str, threads: int) -> list[str]:
-    return [sys.executable, "-m", "islands", "train", str(config), role, f"train.threads={threads}", "--quiet"]
+def _train_command(config: Path, role: str, threads: int, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "islands", "train", str(config), role, *overrides, f"train.threads={threads}",
+            "--quiet"]
+
+
+def _members(cfg: Config) -> list[Path]:
+    return [expert_dir(cfg, k) for k in range(cfg.ddm.k)] + [router_dir(cfg)]
+
+
+def monolith_images(cfg: Config) -> int:
+    """The monolith's run length at the trained ensemble's whole cost, router included: the members' FLOPs (from
+    their flops.json) over the monolith's FLOPs per image. At compute parity the experts alone cost the config's
+    train.images; the router buys the monolith a few percent more."""
+    mono = monolith_config(cfg)
+    info = json.loads((expert_dir(cfg, 0) / "model.json").read_text())
+    shape, num_classes = tuple(info["shape"]), info["num_classes"]
+    micro = mono.train.batch_size // mono.train.accumulate
+    per_image = flops_per_image(mono, shape, num_classes, DiffusionObjective(mono, num_classes), micro)
+    return max(cfg.train.images, math.ceil(sum(training_flops(run) for run in _members(cfg)) / per_image))
 
 
 def _train_monolith(cfg: Config, config_path: Path, progress: bool) -> None:
-    if _finished(Path(monolith_config(cfg).run_dir), cfg.train.images):
+    images = monolith_images(cfg)
+    if _finished(Path(monolith_config(cfg).run_dir), images):
         return
     if progress:
-        print("training the monolith (the same config as one model)", flush=True)
+        print(f"training the monolith (the same config as one model, {images} images: the ensemble's FLOPs)",
+              flush=True)
     threads = os.cpu_count() or 1
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    if subprocess.run(_train_command(config_path, "monolith", threads), env=env).returncode:
+    if subprocess.run(_train_command(config_path, "monolith", threads, f"train.images={images}"), env=env).returncode:
         raise ConfigError("ddm: the monolith failed; its log is above; rerun to continue")
 
 
@@ -145,16 +166,15 @@ def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) ->
         generated(denoiser, shape, cfg.eval.num, cfg.sample, cfg.seed, cfg.model.num_classes, progress), denoiser)
     monolith["expert_evaluations_per_sample"] = evaluations_per_sample(
         cfg.sample.solver, cfg.sample.steps, cfg.sample.guidance if cfg.model.num_classes else 1.0)
-    members = [expert_dir(cfg, k) for k in range(cfg.ddm.k)] + [router_dir(cfg)]
-    ensemble = {**ensemble, "training_flops": sum(training_flops(r) for r in members)}
+    ensemble = {**ensemble, "training_flops": sum(training_flops(r) for r in _members(cfg))}
     monolith["training_flops"] = training_flops(Path(mono.run_dir))
     num = min(64, cfg.sample.num)
     grids = {"ensemble (top-1)": root / "samples" / "top1.png"}
     mono_grid = next(generated(denoiser, shape, num, cfg.sample, cfg.seed, cfg.model.num_classes))[0]
     grids["monolith"] = save_samples_picture(mono_grid, root / "samples" / "monolith.png",
                                              source.get(list(range(2000)))[0] if len(shape) == 1 else None)
-    save_side_by_side(grids, root / "comparison.png", "the experts together cost what the monolith costs (the router "
-                      "comes on top); the same noise for both")
+    save_side_by_side(grids, root / "comparison.png", "the experts and the router together cost what the monolith "
+                      "costs; the same noise for both")
     names = [k for k, v in ensemble.items() if isinstance(v, (int, float)) and k in monolith]
     table = {name: {"ensemble": ensemble[name], "monolith": monolith[name]} for name in names}
     (root / "comparison.json").write_text(json.dumps(table, indent=1))
