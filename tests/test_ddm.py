@@ -71,6 +71,7 @@ def test_the_ensemble_samples_every_mode_and_records_its_cost(ensemble):
     assert "routing=top1" in key
     assert min(top1["mode_mass"]) > 0.005  # top-1 favours the big cluster at t = 1, but reaches every mode
     assert top1["expert_evaluations_per_sample"] == 23  # heun, 12 steps: one expert per evaluation
+    assert 0 < top1["seconds_per_sample"] < 1
     oracle = sample_and_evaluate(cfg, "oracle", progress=False)
     assert oracle["mode_mass_error"] < 0.04 and min(oracle["mode_mass"]) > 0.05
     assert (root / "samples" / "top1.png").stat().st_size > 0 and (root / "partition" / "clusters.png").exists()

@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from islands.cli import main
 from islands.config import EvalConfig, validate
 from islands.data.sources import FASHION_MNIST_DIR, FashionMnist, Source
 from islands.eval import metrics
-from islands.eval.evaluate import Evaluator
+from islands.eval.evaluate import Evaluator, timed
 from islands.eval.features import Pixels, load_classifier, load_torch_features, train_classifier
 from islands.train.checkpoint import CheckpointError, latest_checkpoint, load_weights, save_weights
 from islands.train.logbook import read_metrics
@@ -175,3 +176,15 @@ def test_an_evaluator_on_pixels_scores_the_data_against_itself_near_zero(tmp_pat
     assert again["fd"] == result["fd"]
     metrics.GaussianStats(np.zeros(2), np.eye(2), 2).save(cached)  # what a stale cache would hold
     assert Evaluator(source, EvalConfig(metrics=["fd"]), seed=0)([(fresh.x, None)])["fd"] != result["fd"]
+
+
+def test_sampling_time_counts_the_producer_not_the_consumer():
+    def slow_batches():
+        for i in range(3):
+            time.sleep(0.05)
+            yield i
+
+    clock = {}
+    for _ in timed(slow_batches(), clock):
+        time.sleep(0.2)  # scoring the batch: not sampling
+    assert 0.15 <= clock["seconds"] < 0.35, clock

@@ -21,7 +21,7 @@ from islands.ddm.ensemble import load_ensemble, oracle_preparation, write_manife
 from islands.ddm.partition import Partition, partition, save_cluster_picture
 from islands.ddm.runs import (ensemble_dir, expert_config, expert_dir, monolith_config, partition_dir, router_config,
                               router_dir)
-from islands.eval.evaluate import Evaluator, build_features, format_table, generated, record
+from islands.eval.evaluate import Evaluator, build_features, format_table, generated, record, timed
 from islands.flow.samplers import evaluations_per_sample
 from islands.generate import load_denoiser
 from islands.images import save_samples_picture, save_side_by_side
@@ -73,8 +73,9 @@ def _train_command(config: Path, role: str, threads: int, *overrides: str) -> li
             "--quiet"]
 
 
-def _members(cfg: Config) -> list[Path]:
-    return [expert_dir(cfg, k) for k in range(cfg.ddm.k)] + [router_dir(cfg)]
+def ensemble_training_flops(cfg: Config) -> float:
+    """What the experts and the router cost to train together, from their flops.json."""
+    return sum(training_flops(run) for run in [expert_dir(cfg, k) for k in range(cfg.ddm.k)] + [router_dir(cfg)])
 
 
 def monolith_images(cfg: Config) -> int:
@@ -86,7 +87,7 @@ def monolith_images(cfg: Config) -> int:
     shape, num_classes = tuple(info["shape"]), info["num_classes"]
     micro = mono.train.batch_size // mono.train.accumulate
     per_image = flops_per_image(mono, shape, num_classes, DiffusionObjective(mono, num_classes), micro)
-    return max(cfg.train.images, math.ceil(sum(training_flops(run) for run in _members(cfg)) / per_image))
+    return max(cfg.train.images, math.ceil(ensemble_training_flops(cfg) / per_image))
 
 
 def _train_monolith(cfg: Config, config_path: Path, progress: bool) -> None:
@@ -136,18 +137,20 @@ def sample_and_evaluate(cfg: Config, routing: str = "top1", progress: bool = Tru
     sampling = {}
 
     def counted(batches):
-        yield from batches
+        yield from timed(batches, sampling)
         sampling["evaluations"] = mixture.evaluations  # before the metrics call the mixture themselves
 
     batches = generated(mixture, shape, cfg.eval.num, cfg.sample, cfg.seed, num_classes, progress, prepare)
     # the velocity error needs a field of (x, t); oracle routing is one only along each sample's own path
     result = evaluator(counted(batches), None if routing == "oracle" else mixture)
+    result["seconds_per_sample"] = sampling["seconds"] / cfg.eval.num
     result["expert_evaluations_per_sample"] = sampling["evaluations"] / cfg.eval.num
     grid = next(generated(mixture, shape, min(64, cfg.sample.num), cfg.sample, cfg.seed, num_classes,
                           prepare=prepare))[0]
     save_samples_picture(grid, root / "samples" / f"{routing}.png", source.get(list(range(2000)))[0]
                          if len(shape) == 1 else None, f"ensemble, {routing} routing")
-    key = f"ensemble routing={routing} num={cfg.eval.num} steps={cfg.sample.steps} solver={cfg.sample.solver}"
+    key = (f"ensemble routing={routing} num={cfg.eval.num} steps={cfg.sample.steps} solver={cfg.sample.solver} "
+           f"precision={cfg.sample.precision}")
     return record(root / "metrics.json", key, result)
 
 
@@ -162,11 +165,13 @@ def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) ->
     denoiser, _, info = load_denoiser(Path(mono.run_dir))
     shape = tuple(info["shape"])
     source = whole_data(cfg)
-    monolith = Evaluator(source, cfg.eval, cfg.seed, progress)(
-        generated(denoiser, shape, cfg.eval.num, cfg.sample, cfg.seed, cfg.model.num_classes, progress), denoiser)
+    clock = {}
+    batches = generated(denoiser, shape, cfg.eval.num, cfg.sample, cfg.seed, cfg.model.num_classes, progress)
+    monolith = Evaluator(source, cfg.eval, cfg.seed, progress)(timed(batches, clock), denoiser)
+    monolith["seconds_per_sample"] = clock["seconds"] / cfg.eval.num
     monolith["expert_evaluations_per_sample"] = evaluations_per_sample(
         cfg.sample.solver, cfg.sample.steps, cfg.sample.guidance if cfg.model.num_classes else 1.0)
-    ensemble = {**ensemble, "training_flops": sum(training_flops(r) for r in _members(cfg))}
+    ensemble = {**ensemble, "training_flops": ensemble_training_flops(cfg)}
     monolith["training_flops"] = training_flops(Path(mono.run_dir))
     num = min(64, cfg.sample.num)
     grids = {"ensemble (top-1)": root / "samples" / "top1.png"}
@@ -189,13 +194,18 @@ def format_comparison(table: dict) -> str:
     return "\n".join(lines)
 
 
-def run_ddm(cfg: Config, config_path: Path, jobs: int = 1, progress: bool = True) -> dict:
+def build_ensemble(cfg: Config, config_path: Path, jobs: int = 1, progress: bool = True) -> dict:
+    """Partition, experts, router (and the monolith with ddm.monolith), then the manifest; skips what is done."""
     _save_ensemble_config(cfg)
     run_partition(cfg, progress)
     train_members(cfg, config_path, jobs, progress)
     if cfg.ddm.monolith:
         _train_monolith(cfg, config_path, progress)
-    write_manifest(cfg)
+    return write_manifest(cfg)
+
+
+def run_ddm(cfg: Config, config_path: Path, jobs: int = 1, progress: bool = True) -> dict:
+    build_ensemble(cfg, config_path, jobs, progress)
     result = sample_and_evaluate(cfg, "top1", progress)
     if cfg.ddm.monolith:
         table = compare_with_monolith(cfg, result, progress)

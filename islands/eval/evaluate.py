@@ -6,6 +6,7 @@ Reference statistics are cached per data set (by hash) and feature network.
 """
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -141,6 +142,20 @@ def generated(denoiser: Denoiser, shape: tuple, num: int, opts: SampleConfig, se
     bar.close()
 
 
+def timed(batches, clock: dict):
+    """Yield from `batches`, adding to clock["seconds"] the time spent producing them but not the consumer's (the
+    metrics): what sampling costs."""
+    clock.setdefault("seconds", 0.0)
+    batches = iter(batches)
+    while True:
+        start = time.perf_counter()
+        batch = next(batches, None)
+        clock["seconds"] += time.perf_counter() - start
+        if batch is None:
+            return
+        yield batch
+
+
 def from_file(path: Path, batch: int = 512):
     """Batches of (x, y) from a samples.npz written by `islands sample` (read without unpickling)."""
     try:
@@ -182,10 +197,13 @@ def evaluate_target(target: Path, num: int | None = None, steps: int | None = No
         opts = cfg.sample.model_copy(update={k: v for k, v in {"steps": steps, "batch_size": batch_size}.items()
                                              if v is not None})
         num = num or eval_cfg.num
+        clock = {}
         batches = generated(denoiser, tuple(info["shape"]), num, opts, cfg.seed, info["num_classes"], progress)
-        result = evaluator(batches, denoiser)
+        result = evaluator(timed(batches, clock), denoiser)
+        result["seconds_per_sample"] = clock["seconds"] / num
         images = int(latest_checkpoint(run).name)
-        key = f"images={images} num={num} steps={opts.steps} solver={opts.solver} guidance={opts.guidance}"
+        key = (f"images={images} num={num} steps={opts.steps} solver={opts.solver} guidance={opts.guidance} "
+               f"precision={opts.precision}")
         out = run / "metrics.json"
     return record(out, key, result), out
 
