@@ -7,7 +7,8 @@ import argparse
 import importlib
 import time
 
-BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "parallel", "fd_scale", "ddm_gmm"]
+BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "parallel", "fd_scale", "ddm_gmm",
+              "ddm_fashion"]
 
 
 def main() -> None:

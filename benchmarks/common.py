@@ -205,3 +205,33 @@ def save(name: str, result: dict) -> Path:
     result = {"benchmark": name, "machine": machine(), **result}
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
+
+
+def ensembles_at_equal_flops(work: Path, ensembles: dict, monolith: dict) -> tuple[dict, Path]:
+    """Build every ensemble (raw configs by name) with Islands' own pipeline, 2 experts at a time, then train the
+    monolith (a raw config) on the training FLOPs of the costliest one, router included.
+    -> ({name: Config}, the monolith's run directory)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from islands.ddm.pipeline import build_ensemble, monolith_images
+
+    def written(raw: dict) -> Path:
+        path = work / f"{Path(raw['run_dir']).name}.yaml"
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        return path
+
+    built = {}
+    for name, raw in ensembles.items():
+        print(f"  {name}: partition, {raw['ddm']['k']} experts, router", flush=True)
+        built[name] = validate(raw)
+        build_ensemble(built[name], written(raw), jobs=2, progress=False)
+    images = max(monolith_images(cfg) for cfg in built.values())
+    print(f"  monolith: {images} training images, the FLOPs of the costliest ensemble", flush=True)
+    result = subprocess.run([sys.executable, "-m", "islands", "train", str(written(monolith)),
+                             f"train.images={images}", "--quiet"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return built, Path(monolith["run_dir"])
+

@@ -3,26 +3,22 @@
 A mixture of 16 Gaussians in 32 dimensions (seeded means, uneven weights) stands in for a data set whose
 density and velocity are known exactly. The monolith is a residual MLP trained on all of it; each DDM
 splits the same training budget into K experts of the same MLP (batch / K each, the same number of steps)
-and adds a small router. Every ensemble is sampled with each routing policy; the metrics are the mean
-negative log-likelihood under the true mixture, the sliced W2 distance to fresh data, the error in mode
-masses, and the velocity error against the exact field (integrated over t), with the cost per sample.
+and adds a small router, whose FLOPs the monolith is then given too. Every ensemble is sampled with each
+routing policy; the metrics are the mean negative log-likelihood under the true mixture, the sliced W2
+distance to fresh data, the error in mode masses, and the velocity error against the exact field
+(integrated over t), with the cost per sample.
 The paper's table at our scale, on data where no feature network stands between us and the truth.
 
     python -m benchmarks ddm_gmm
 """
 
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from benchmarks.common import save, table
-from islands.config import validate
-from islands.ddm.pipeline import sample_and_evaluate
+from benchmarks.common import ensembles_at_equal_flops, save, table
+from islands.ddm.pipeline import ensemble_training_flops, sample_and_evaluate, training_flops
 from islands.eval.evaluate import evaluate_target
 from islands.flow.samplers import evaluations_per_sample
 
@@ -52,37 +48,20 @@ def config(run_dir: Path, method: str = "kmeans", k: int = 0) -> dict:
     return cfg
 
 
-def run_islands(*args: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "islands", *args, "--quiet"], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
-def flops(run: Path) -> float:
-    return json.loads((run / "flops.json").read_text())["training_flops"]
-
-
 def run() -> dict:
     rows, found = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        mono_cfg = work / "monolith.yaml"
-        mono_cfg.write_text(yaml.safe_dump(config(work / "monolith")))
-        run_islands("train", str(mono_cfg))
-        mono, _ = evaluate_target(work / "monolith", progress=False)
-        mono["training_flops"] = flops(work / "monolith")
+        ensembles, mono_dir = ensembles_at_equal_flops(
+            work, {f"{method} K={k}": config(work / f"ddm-{method}-{k}", method, k) for method, k in ENSEMBLES},
+            config(work / "monolith"))
+        mono, _ = evaluate_target(mono_dir, progress=False)
+        mono["training_flops"] = training_flops(mono_dir)
         found["monolith"] = mono
         rows.append(["monolith", "-", 1.0, *(mono[m] for m in METRICS), evaluations_per_sample("heun", 16)])
         print(f"  monolith: nll {mono['nll']:.3f} (data {mono['nll_data']:.3f})", flush=True)
-        for method, k in ENSEMBLES:
-            name = f"{method} K={k}"
-            path = work / f"ddm-{method}-{k}.yaml"
-            raw = config(work / f"ddm-{method}-{k}", method, k)
-            path.write_text(yaml.safe_dump(raw))
-            run_islands("ddm", str(path), "--jobs", "2")
-            cfg = validate(raw)
-            root = Path(cfg.run_dir)
-            members = [root / "experts" / str(i) for i in range(k)] + [root / "router"]
-            cost = sum(flops(m) for m in members) / mono["training_flops"]
+        for name, cfg in ensembles.items():
+            cost = ensemble_training_flops(cfg) / mono["training_flops"]
             for routing in ROUTINGS:
                 result = sample_and_evaluate(cfg, routing, progress=False)
                 found[f"{name} {routing}"] = {**result, "training_flops_vs_monolith": cost}
