@@ -24,7 +24,7 @@ datasets:
 	  echo "note: Fashion-MNIST is missing (apt-get install dataset-fashion-mnist); the tests that need it are skipped"
 
 # The main job: a Decentralized Diffusion Model on MNIST 5k (4 experts, a router) beside a monolith trained with
-# the same compute, then their metrics; about 9 minutes on 2 cores (configs/mnist5k_ddm.yaml).
+# the same compute, then their metrics; about 8 minutes on 2 cores (configs/mnist5k_ddm.yaml).
 demo: $(STAMP) datasets
 	$(BIN)/islands ddm configs/mnist5k_ddm.yaml --jobs 2
 	@echo "Ensemble and monolith side by side: runs/mnist5k_ddm/comparison.png (metrics: runs/mnist5k_ddm/comparison.json)"

@@ -1,4 +1,5 @@
-"""bf16 autocast versus fp32: images/s and loss curves, for the small U-Net and the small DiT.
+"""bf16 autocast versus fp32: images/s and loss curves, for the small U-Net and the small DiT, and the speed and
+drift of sampling each trained network in bf16 (`sample.precision`).
 
 Each network is trained twice through `islands.train.loop.train` on MNIST 5k for the same number of
 images. Both runs see the same examples with the same noise and times (all keyed on stream position),
@@ -16,12 +17,15 @@ import tempfile
 import time
 
 import matplotlib
+import torch
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from benchmarks.common import BATCH, DIT, FIGURES, UNET, BareLoop, build_net, islands_config, measure, median, \
     save, setup, table, window_rates
+from islands.config import SampleConfig
+from islands.generate import generate, load_denoiser
 from islands.train.logbook import read_metrics
 from islands.train.loop import train
 
@@ -30,14 +34,35 @@ TITLES = {"unet": "U-Net: 32 channels x (1, 2, 2), attention at 7x7",
           "dit": "DiT: patch 2, hidden 192, depth 6, 3 heads"}
 PAIRS = {"unet": 12, "dit": 6}  # alternated (fp32, bf16) bare step pairs, after 2 warm-up pairs
 LOG_EVERY = 4 * BATCH  # a loss point every 4 steps; both runs are whole windows
+SAMPLES, SAMPLE_PAIRS = 64, 6  # sampling: one batch of 64 (Heun, 8 steps) per precision and pair
 TAIL = 0.25  # final loss: the mean over the last quarter of the windows
 LOSS_TOLERANCE = 0.05  # bf16's final loss within 5% of fp32's
 
 
-def train_run(model: dict, precision: str, images: int) -> list[dict]:
+def train_run(model: dict, precision: str, images: int) -> tuple[list[dict], dict]:
+    """The run's log, and how its trained network samples in fp32 and in bf16."""
     with tempfile.TemporaryDirectory() as tmp:
         train(islands_config(tmp, model, precision, images=images, log_every=LOG_EVERY), progress=False)
-        return read_metrics(tmp)
+        return read_metrics(tmp), sampling_comparison(tmp)
+
+
+def sampling_comparison(run_dir) -> dict:
+    """Sampling the same noise in fp32 and under bf16 autocast (`sample.precision`), batches of the two
+    alternating: the median fp32/bf16 time over the pairs, and how far bf16 moves the samples."""
+    denoiser, _, info = load_denoiser(run_dir)
+    labels = torch.arange(SAMPLES) % info["num_classes"]
+    opts = {p: SampleConfig(steps=8, solver="heun", batch_size=SAMPLES, precision=p) for p in ("fp32", "bf16")}
+    ratios, x = [], {}
+    for i in range(1 + SAMPLE_PAIRS):
+        seconds = {}
+        for precision, o in opts.items():
+            t0 = time.perf_counter()
+            x[precision] = generate(denoiser, tuple(info["shape"]), SAMPLES, o, 0, labels)
+            seconds[precision] = time.perf_counter() - t0
+        if i:  # the first pair warms up
+            ratios.append(seconds["fp32"] / seconds["bf16"])
+    moved = ((x["bf16"] - x["fp32"]).abs().mean() / x["fp32"].abs().mean()).item()
+    return {"speedup_alternated": median(ratios), "relative_difference": moved}
 
 
 def images_per_s(records: list[dict]) -> float:
@@ -87,12 +112,13 @@ def plot(curves: dict, path) -> None:
 
 def run() -> dict:
     setup()
-    curves, rows, figures, others = {}, [], {}, []
+    curves, rows, figures, others, sampling = {}, [], {}, [], []
     for name, (model, images) in NETWORKS.items():
         curves[name] = {}
         for precision in ("fp32", "bf16"):
-            records, busy = measure(f"{name} {precision}", lambda: train_run(model, precision, images))
+            (records, sampled), busy = measure(f"{name} {precision}", lambda: train_run(model, precision, images))
             curves[name][precision] = records
+            sampling.append([name, precision, sampled["speedup_alternated"], sampled["relative_difference"]])
             others.append(busy)
             print(f"  {name} {precision}: {images_per_s(records):.1f} img/s", flush=True)
         alternated, busy = measure(f"{name} alternated steps", lambda: alternated_speedup(model, PAIRS[name]))
@@ -111,6 +137,8 @@ def run() -> dict:
     met = all(min(f["speedup"], f["speedup_alternated"]) > 1 and abs(f["loss_ratio"] - 1) <= LOSS_TOLERANCE
               for f in figures.values())
     print(f"target bf16 faster than fp32 with final loss within {LOSS_TOLERANCE:.0%}: {'met' if met else 'NOT met'}")
+    print(table(["net", "trained in", "sampling speed-up bf16 (alternated)", "mean change of the samples, relative"],
+                sampling))
     png = FIGURES / "precision_loss.png"
     plot(curves, png)
     print(f"loss curves: {png}")
@@ -118,7 +146,9 @@ def run() -> dict:
                            "log_every": LOG_EVERY, "final_loss": f"mean over the last {TAIL:.0%} of log windows",
                            "images_per_s": "fastest log window, the first (warm-up) left out",
                            "speedup_alternated": f"median fp32/bf16 step time over {PAIRS} alternated bare steps"},
-              "networks": figures, "target": f"bf16/fp32 images/s > 1 and final loss within {LOSS_TOLERANCE:.0%}",
+              "networks": figures, "sampling": [dict(zip(("net", "trained_in", "speedup_alternated",
+                                                           "relative_difference"), row)) for row in sampling],
+              "target": f"bf16/fp32 images/s > 1 and final loss within {LOSS_TOLERANCE:.0%}",
               "met": met, "figure": "docs/figures/precision_loss.png", "others_cpu_share": others}
     save("precision", result)
     return result

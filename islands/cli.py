@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--class", dest="class_label", type=int, help="generate only this class (conditional models)")
     p.add_argument("--batch-size", type=int, help="samples per batch; does not change the samples")
     p.add_argument("--precision", choices=["fp32", "bf16"],
-                   help="bf16: the networks under bf16 autocast, about 2.5x faster on CPUs with avx512_bf16 "
-                        "(default: sample.precision)")
+                   help="bf16: the networks under bf16 autocast, the solver in fp32; 1.4-1.5x faster on a CPU with "
+                        "avx512_bf16 (default: sample.precision)")
     p.add_argument("--threads", type=int, help="torch threads")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
     p.add_argument("--routing", help="ensembles only: full, top1 (default), topk:K, threshold:P, sample or oracle")
