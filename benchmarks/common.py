@@ -4,13 +4,17 @@ import contextlib
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from islands.config import ModelConfig, validate
 from islands.data.sources import Mnist5k
+from islands.ddm.pipeline import build_ensemble, monolith_images
 from islands.nets import build_network
 
 THREADS = 2  # the machine the figures in docs/BENCHMARKS.md come from has 2 cores
@@ -211,13 +215,6 @@ def ensembles_at_equal_flops(work: Path, ensembles: dict, monolith: dict) -> tup
     """Build every ensemble (raw configs by name) with Islands' own pipeline, 2 experts at a time, then train the
     monolith (a raw config) on the training FLOPs of the costliest one, router included.
     -> ({name: Config}, the monolith's run directory)."""
-    import subprocess
-    import sys
-
-    import yaml
-
-    from islands.ddm.pipeline import build_ensemble, monolith_images
-
     def written(raw: dict) -> Path:
         path = work / f"{Path(raw['run_dir']).name}.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False))
