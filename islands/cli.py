@@ -1,7 +1,9 @@
 """The command line: parse, load config, call one function. No logic of its own."""
 
 import argparse
+import contextlib
 import sys
+import warnings
 from pathlib import Path
 
 from islands.config import ConfigError, load_config
@@ -13,15 +15,17 @@ Rerunning the same command resumes from the last complete checkpoint."""
 
 
 def _train(args) -> int:
-    from islands.train.loop import train, run_summary
+    from islands.train.loop import run_summary, train
 
     role = [o for o in args.overrides if o in ("router", "monolith") or o.startswith("expert=")]
     cfg = load_config(args.config, [o for o in args.overrides if o not in role])
     if role:  # a member of a decentralized model, derived from the ensemble's config
-        from islands.ddm.runs import expert_config, monolith_config, router_config
+        from islands.ddm.runs import expert_config, monolith_config, require_partition, router_config
 
         if len(role) > 1:
             raise ConfigError(f"train: give one of expert=K, router and monolith, not {' '.join(role)}")
+        if role[0] != "monolith":
+            require_partition(cfg)
         if role[0] == "router":
             cfg = router_config(cfg)
         elif role[0] == "monolith":
@@ -111,12 +115,12 @@ def _ddm(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.emit:
-        for path in emit_scripts(cfg, Path(args.config), args.emit):
+        for path in emit_scripts(cfg, args.emit):
             print(f"wrote {path}")
         return 0
     if args.jobs < 1:
         raise ConfigError(f"--jobs: {args.jobs} must be at least 1")
-    run_ddm(cfg, Path(args.config), args.jobs, progress=not args.quiet)
+    run_ddm(cfg, args.jobs, progress=not args.quiet)
     print(f"ensemble: {cfg.run_dir} (ensemble.json, samples/, metrics.json)")
     return 0
 
@@ -238,14 +242,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def warnings_as_lines():
+    """Islands' warnings as one line a person reads (`islands: warning: ...`), not Python's report of a source file
+    and line; only the command line does this, so library callers keep the warnings machinery."""
+    from islands.errors import IslandsWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, IslandsWarning):
+            print(f"islands: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from islands.data import DataError
+    from islands.ddm.members import MemberFailed
     from islands.train.checkpoint import CheckpointError
     from islands.train.loop import TrainingStopped
 
     try:
-        return args.func(args)
+        with warnings_as_lines():
+            return args.func(args)
     except ConfigError as err:
         print(f"islands: config error: {err}", file=sys.stderr)
         return 2
@@ -254,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         message = str(err).strip().splitlines()[-1].split("DataError: ")[-1]
         print(f"islands: {message}", file=sys.stderr)
         return 2
-    except TrainingStopped as err:
+    except (TrainingStopped, MemberFailed) as err:
         print(f"islands: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -3,9 +3,10 @@ the router against the exact posterior, and islands that fail or lie. (The routi
 the partition: test_partition.py.)"""
 
 import json
+import os
 import pickle
 import shutil
-import warnings
+import subprocess
 
 import numpy as np
 import pytest
@@ -13,13 +14,14 @@ import torch
 import yaml
 
 from islands.cli import main
-from islands.config import validate
+from islands.config import to_dict, validate
 from islands.data import build_data
 from islands.data.gmm import GaussianMixture
-from islands.ddm.ensemble import file_sha256, load_ensemble, read_manifest
+from islands.ddm.ensemble import file_sha256, load_ensemble, read_manifest, write_manifest
 from islands.ddm.partition import Partition
 from islands.ddm.pipeline import sample_and_evaluate
 from islands.ddm.runs import expert_config, router_config
+from islands.errors import IslandsWarning
 from islands.train.checkpoint import CheckpointError
 
 MEANS = [[2.0, 2.0], [-2.0, 2.0], [-2.0, -2.0], [2.0, -2.0]]
@@ -38,17 +40,41 @@ def ddm_config(run_dir) -> dict:
                     "router": {"images": 12800, "batch_size": 128, "lr": 2e-3, "hidden": 64, "depth": 3}}}
 
 
+def command_line(run_dir) -> list[str]:
+    """Keys the fixture's config file leaves out and gives only on the command line."""
+    return [f"run_dir={run_dir}", "train.images=12800", "ddm.k=4"]
+
+
 @pytest.fixture(scope="module")
 def ensemble(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddm")
+    bare = ddm_config(root / "ensemble")
+    del bare["run_dir"], bare["train"]["images"], bare["ddm"]["k"]  # the defaults would be 10000 images, k = 0
     path = root / "ddm.yaml"
-    path.write_text(yaml.safe_dump(ddm_config(root / "ensemble")))
+    path.write_text(yaml.safe_dump(bare))
+    overrides = command_line(root / "ensemble")
     # Islands need not agree on conventions: expert 3 is trained on its own, on the cosine path with epsilon
     # prediction; `islands ddm` then skips it and the ensemble meets it in velocity space.
-    assert main(["partition", str(path), "--quiet"]) == 0
-    assert main(["train", str(path), "expert=3", "flow.path=cosine", "flow.prediction=epsilon", "--quiet"]) == 0
-    assert main(["ddm", str(path), "--jobs", "2", "--quiet"]) == 0
+    assert main(["partition", str(path), *overrides, "--quiet"]) == 0
+    assert main(["train", str(path), "expert=3", *overrides, "flow.path=cosine", "flow.prediction=epsilon",
+                 "--quiet"]) == 0
+    assert main(["ddm", str(path), *overrides, "--jobs", "2", "--quiet"]) == 0
     return validate(ddm_config(root / "ensemble")), root / "ensemble"
+
+
+def test_every_member_trains_on_the_config_the_ensemble_was_built_from(ensemble):
+    """run_dir, train.images and ddm.k came from the command line only: every member's own config shows them."""
+    cfg, root = ensemble
+    assert yaml.safe_load((root / "config.yaml").read_text()) == to_dict(cfg)
+    for k in range(4):
+        member = yaml.safe_load((root / "experts" / str(k) / "config.yaml").read_text())
+        assert member["run_dir"] == str(root / "experts" / str(k))
+        assert member["data"]["partition"] == str(root / "partition") and member["data"]["cluster"] == k
+        assert member["train"]["batch_size"] == 32 and member["train"]["images"] == 3200  # 128 / k, 12800 / k
+    router = yaml.safe_load((root / "router" / "config.yaml").read_text())
+    assert router["run_dir"] == str(root / "router") and router["model"]["outputs"] == 4
+    assert sorted(p.name for p in (root / "logs").glob("*.log")) == ["expert0.log", "expert1.log", "expert2.log",
+                                                                    "router.log"]
 
 
 def component_of_cluster(root) -> list[int]:
@@ -118,17 +144,49 @@ def test_the_trained_router_approaches_the_exact_posterior(ensemble):
     assert accuracy["accuracy"][0] > 0.95 and accuracy["accuracy"][-1] < 0.6  # sharp at t ~ 0, the prior at t ~ 1
 
 
-def test_a_missing_expert_is_survived_with_a_warning(ensemble, tmp_path, capsys):
+def test_a_missing_expert_is_survived_with_one_line_for_people_and_a_warning_for_callers(ensemble, tmp_path, capsys):
     _, root = ensemble
     copy = tmp_path / "ensemble"
     shutil.copytree(root, copy)
     manifest = read_manifest(copy)
-    (copy / manifest["experts"][2]["weights"]).unlink()
-    with pytest.warns(UserWarning, match="expert2 is missing"):
-        assert main(["sample", str(copy), "--num", "40", "--out", str(tmp_path / "out"), "--quiet",
-                     "--routing", "full"]) == 0
-    assert "expert evaluations per sample: 69.0" in capsys.readouterr().out  # 3 experts x 23 evaluations
+    weights = copy / manifest["experts"][2]["weights"]
+    weights.unlink()
+    assert main(["sample", str(copy), "--num", "40", "--out", str(tmp_path / "out"), "--quiet",
+                 "--routing", "full"]) == 0
+    out, err = capsys.readouterr()
+    assert err == f"islands: warning: expert2 is missing from disk ({weights}); routing around it\n"
+    assert "expert evaluations per sample: 69.0" in out  # 3 experts x 23 evaluations
     assert np.isfinite(np.load(tmp_path / "out" / "samples.npz")["x"]).all()
+    mixture, _ = load_ensemble(copy, "full")
+    with pytest.warns(IslandsWarning, match="expert2 is missing from disk"):  # the library's callers get a warning
+        mixture(torch.zeros(2, 2), torch.full((2,), 0.5))
+
+
+def test_an_expert_that_never_finished_is_named_and_routed_around(ensemble, tmp_path, capsys):
+    cfg, root = ensemble
+    copy = tmp_path / "ensemble"
+    shutil.copytree(root, copy)
+    shutil.rmtree(copy / "experts" / "1" / "checkpoints")  # it started, and stopped before its first checkpoint
+
+    assert "weights" not in write_manifest(cfg.model_copy(update={"run_dir": str(copy)}))["experts"][1]
+    assert main(["sample", str(copy), "--num", "8", "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert err == f"islands: warning: expert1 has no finished checkpoint ({copy / 'experts' / '1'}); routing around it\n"
+
+
+def test_a_member_that_crashes_exits_1_naming_it_its_status_and_its_log(ensemble, tmp_path, capsys):
+    _, root = ensemble
+    copy = tmp_path / "ensemble"
+    shutil.copytree(root, copy)
+    shutil.rmtree(copy / "experts" / "1")
+    (copy / "experts" / "1").mkdir()
+    (copy / "experts" / "1" / "checkpoints").write_text("a file where its checkpoints should go")
+    assert main(["ddm", str(copy / "config.yaml"), f"run_dir={copy}", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    log = copy / "logs" / "expert1.log"
+    assert err.count("\n") == 1 and err.startswith("islands: ddm: expert1 failed with exit status 1")
+    assert f"log: {log}" in err and "Error" in err  # the last line of its traceback
+    assert "Traceback" in log.read_text()
 
 
 def test_a_tampered_expert_and_a_pickle_posing_as_one_are_refused(ensemble, tmp_path):
@@ -162,19 +220,70 @@ class _Payload:
         return (pathlib.Path.touch, (pathlib.Path(self.mark),))
 
 
-def test_rerunning_skips_what_is_done_and_emit_writes_a_script_per_island(ensemble, tmp_path, capsys):
-    cfg, root = ensemble
+def test_rerunning_skips_what_is_done(ensemble, tmp_path):
+    _, root = ensemble
     path = tmp_path / "ddm.yaml"
     path.write_text(yaml.safe_dump(ddm_config(root)))
     before = {p: p.stat().st_mtime for p in root.glob("experts/*/checkpoints/*/ema.safetensors")}
-    with warnings.catch_warnings():
-        assert main(["ddm", str(path), "--quiet"]) == 0
+    assert main(["ddm", str(path), "--quiet"]) == 0
     assert {p: p.stat().st_mtime for p in root.glob("experts/*/checkpoints/*/ema.safetensors")} == before
-    assert main(["ddm", str(path), "--emit", "slurm"]) == 0
-    scripts = sorted(p.name for p in (root / "launch").glob("*.sh"))
+
+
+def test_emitted_scripts_train_an_island_from_the_ensemble_config(ensemble, tmp_path):
+    """Each island runs its script where the shared folder is; the scripts find it through ENSEMBLE."""
+    cfg, root = ensemble
+    copy = tmp_path / "ensemble"
+    shutil.copytree(root, copy)
+    shutil.rmtree(copy / "experts" / "1")  # the island that still has to train
+    assert main(["ddm", str(copy / "config.yaml"), f"run_dir={copy}", "--emit", "torchrun"]) == 0
+    scripts = sorted(p.name for p in (copy / "launch").glob("*.sh"))
     assert scripts == ["0_partition.sh", "1_expert0.sh", "1_expert1.sh", "1_expert2.sh", "1_expert3.sh",
                        "2_router.sh", "3_ensemble.sh"]
-    assert "expert=2" in (root / "launch" / "1_expert2.sh").read_text()
+    moved = tmp_path / "mounted-elsewhere"
+    shutil.move(copy, moved)
+    env = {**os.environ, "ENSEMBLE": str(moved), "NPROC": "1", "OMP_NUM_THREADS": "1"}
+    for script in ("1_expert1.sh", "3_ensemble.sh"):
+        done = subprocess.run(["bash", str(moved / "launch" / script), "--quiet"], env=env, capture_output=True,
+                              text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-2000:]
+    trained = yaml.safe_load((moved / "experts" / "1" / "config.yaml").read_text())
+    assert trained == to_dict(expert_config(cfg.model_copy(update={"run_dir": str(moved)}), 1))
+    assert read_manifest(moved)["experts"][1]["weights"].startswith("experts/1/checkpoints/")
+
+    assert main(["ddm", str(moved / "config.yaml"), f"run_dir={moved}", "--emit", "slurm"]) == 0
+    for script in (moved / "launch").glob("*.sh"):
+        text = script.read_text()
+        assert text.startswith("#!/bin/bash\n#SBATCH --job-name=islands-") and f'ENSEMBLE="${{ENSEMBLE:-{moved}}}"' in text
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert "srun" in (moved / "launch" / "1_expert2.sh").read_text()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["ddm.k=1"], "ddm.k: 1; a decentralized model needs at least 2 experts"),
+    (["ddm.router.depth=0"], "ddm.router.depth: Input should be greater than 0"),
+    (["ddm.expert_batch=3", "train.accumulate=2", "train.batch_size=128"], "ddm.expert_batch: 3 does not split"),
+    (["ddm.partition.method=spectral"], "ddm.partition.method"),
+])
+def test_ddm_config_errors_exit_2_with_one_line_before_anything_is_written(tmp_path, capsys, overrides, message):
+    path = tmp_path / "ddm.yaml"
+    path.write_text(yaml.safe_dump(ddm_config(tmp_path / "new")))
+    for command in (["ddm"], ["ddm", "--emit", "torchrun"], ["partition"]):
+        if command == ["partition"] and "expert_batch" in message:
+            continue  # partitioning needs no expert's batch
+        assert main([command[0], str(path), *overrides, *command[1:], "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+        assert not (tmp_path / "new").exists()
+
+
+def test_an_ensemble_folder_is_not_reused_for_another_config(ensemble, tmp_path, capsys):
+    _, root = ensemble
+    path = tmp_path / "ddm.yaml"
+    path.write_text(yaml.safe_dump(ddm_config(root)))
+    before = (root / "config.yaml").read_bytes()
+    assert main(["ddm", str(path), "train.lr=0.1", "--quiet"]) == 2
+    assert "holds an ensemble with another config (train.lr: 0.002 -> 0.1)" in capsys.readouterr().err
+    assert (root / "config.yaml").read_bytes() == before
 
 
 def test_distillation_learns_the_ensemble_in_one_network(ensemble, tmp_path):

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from islands.config import Config, to_dict, validate
 from islands.ddm.mixture import ExpertSlot, Mixture, PriorRouter
 from islands.ddm.runs import ensemble_dir, expert_dir, partition_dir, router_dir
+from islands.errors import IslandsWarning
 from islands.flow.denoiser import NetworkDenoiser
 from islands.generate import network_with_weights
 from islands.nets.router import route
@@ -76,15 +77,14 @@ def read_manifest(root: Path) -> dict:
         raise CheckpointError(f"cannot read ensemble manifest {path}: {err}") from None
 
 
-def _verified(root: Path, entry: dict) -> Path | None:
-    """The entry's weights file, checked; None (with a warning) when it is missing or unfinished."""
+def _verified(root: Path, entry: dict) -> tuple[Path | None, str]:
+    """The entry's weights file, checked; or None and why, when it is missing or unfinished (the mixture warns
+    when it routes around it)."""
     if "weights" not in entry:
-        warnings.warn(f"{entry['name']} has no finished checkpoint ({entry['run']}); routing around it")
-        return None
+        return None, f"has no finished checkpoint ({root / entry['run']})"
     path = root / entry["weights"]
     if not path.is_file():
-        warnings.warn(f"{entry['name']} is missing from disk ({path}); routing around it")
-        return None
+        return None, f"is missing from disk ({path})"
     if file_sha256(path) != entry["sha256"]:
         raise CheckpointError(f"{path}: sha256 does not match {MANIFEST}; refusing {entry['name']}")
     try:
@@ -92,7 +92,7 @@ def _verified(root: Path, entry: dict) -> Path | None:
             pass
     except (SafetensorError, OSError, ValueError) as err:
         raise CheckpointError(f"{path}: not a valid safetensors file ({err}); refusing {entry['name']}") from None
-    return path
+    return path, ""
 
 
 def _network(entry: dict, path: Path, device) -> torch.nn.Module:
@@ -120,12 +120,14 @@ def load_ensemble(root: Path, routing: str = "top1", max_loaded: int | None = No
     manifest = read_manifest(root)
     slots = []
     for entry in manifest["experts"]:
-        path = _verified(root, entry)
+        path, missing = _verified(root, entry)
         load = None if path is None else functools.partial(_expert, entry, path, device)
-        slots.append(ExpertSlot(entry["name"], load))
+        slots.append(ExpertSlot(entry["name"], load, missing))
     if not any(slot.available for slot in slots):
         raise CheckpointError(f"{root}: no expert of the ensemble is available")
-    router_path = _verified(root, manifest["router"])
+    router_path, router_missing = _verified(root, manifest["router"])
+    if router_path is None and not routing.startswith("oracle"):  # oracle routing asks no router
+        warnings.warn(f"the router {router_missing}; routing by the cluster sizes alone", IslandsWarning, stacklevel=2)
     router = (LearnedRouter(_network(manifest["router"], router_path, device)) if router_path is not None
               else PriorRouter(manifest["prior"]))
     return Mixture(slots, router, routing=routing, max_loaded=max_loaded, seed=seed), manifest

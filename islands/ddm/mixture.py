@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from islands.errors import IslandsWarning
 from islands.flow.denoiser import Denoiser, broadcast
 
 ROUTINGS = ("full", "top1", "topk:K", "threshold:P", "sample", "oracle")
@@ -28,10 +29,11 @@ ROUTINGS = ("full", "top1", "topk:K", "threshold:P", "sample", "oracle")
 @dataclass(frozen=True)
 class ExpertSlot:
     """A named expert, loaded on first use by `load`; `load=None` marks it missing (never trained, or its files
-    are absent)."""
+    are absent), and `missing` says which, for the warning."""
 
     name: str
     load: Callable[[], Denoiser] | None
+    missing: str = "is missing"
 
     @property
     def available(self) -> bool:
@@ -208,7 +210,9 @@ class Mixture(nn.Module):
         if available.all():
             return probs
         if not self._warned_missing:
-            warnings.warn(f"experts {self.missing_names} are missing; routing renormalises over the others")
+            for slot in self.slots:
+                if not slot.available:
+                    warnings.warn(f"{slot.name} {slot.missing}; routing around it", IslandsWarning, stacklevel=2)
             self._warned_missing = True
         probs = probs * available
         total = probs.sum(1, keepdim=True)

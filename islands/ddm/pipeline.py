@@ -8,19 +8,25 @@ writes one launch script per island instead, for islands that share only a stora
 import json
 import math
 import os
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
-from islands.config import Config, ConfigError, revalidate, to_dict
+from islands.config import Config, ConfigError, revalidate, to_dict, trajectory_changes
 from islands.data import build_data
 from islands.ddm.ensemble import load_ensemble, oracle_preparation, write_manifest
+from islands.ddm.members import CONFIG, Member, run_members
 from islands.ddm.partition import Partition, partition, save_cluster_picture
-from islands.ddm.runs import (ensemble_dir, expert_config, expert_dir, monolith_config, partition_dir, router_config,
-                              router_dir)
+from islands.ddm.runs import (
+    ensemble_dir,
+    expert_dir,
+    member_configs,
+    monolith_config,
+    monolith_dir,
+    partition_dir,
+    router_dir,
+)
 from islands.eval.evaluate import Evaluator, build_features, format_table, generated, record, timed
 from islands.flow.samplers import evaluations_per_sample
 from islands.generate import load_denoiser
@@ -58,19 +64,24 @@ def run_partition(cfg: Config, progress: bool = True) -> Partition:
 
 
 def _save_ensemble_config(cfg: Config) -> None:
+    """ENSEMBLE/config.yaml: the resolved config every member is trained from. An ensemble already there with other
+    settings is refused, not overwritten (its members were trained on those)."""
     root = ensemble_dir(cfg)
+    path, resolved = root / CONFIG, to_dict(cfg)
+    if path.exists():
+        changes = [c for c in trajectory_changes(yaml.safe_load(path.read_text()), resolved)
+                   if not c.startswith("ddm.monolith:")]  # the yardstick may be added later
+        if changes:
+            raise ConfigError(f"{root} holds an ensemble with another config ({changes[0]}); use a new run_dir")
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp = root / f".{CONFIG}.tmp"
+    tmp.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    tmp.replace(path)
 
 
 def _finished(run: Path, images: int) -> bool:
     ckpt = latest_checkpoint(run)
     return ckpt is not None and json.loads((ckpt / "state.json").read_text())["progress"]["images"] >= images
-
-
-def _train_command(config: Path, role: str, threads: int, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "islands", "train", str(config), role, *overrides, f"train.threads={threads}",
-            "--quiet"]
 
 
 def ensemble_training_flops(cfg: Config) -> float:
@@ -90,37 +101,28 @@ def monolith_images(cfg: Config) -> int:
     return max(cfg.train.images, math.ceil(ensemble_training_flops(cfg) / per_image))
 
 
-def _train_monolith(cfg: Config, config_path: Path, progress: bool) -> None:
-    images = monolith_images(cfg)
-    if _finished(Path(monolith_config(cfg).run_dir), images):
-        return
-    if progress:
-        print(f"training the monolith (the same config as one model, {images} images: the ensemble's FLOPs)",
-              flush=True)
-    threads = os.cpu_count() or 1
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    if subprocess.run(_train_command(config_path, "monolith", threads, f"train.images={images}"), env=env).returncode:
-        raise ConfigError("ddm: the monolith failed; its log is above; rerun to continue")
-
-
-def train_members(cfg: Config, config_path: Path, jobs: int = 1, progress: bool = True) -> None:
-    """Experts (J at a time, each in its own process with its share of the cores), then the router."""
-    pending = [k for k in range(cfg.ddm.k) if not _finished(expert_dir(cfg, k), expert_config(cfg, k).train.images)]
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+def train_members(cfg: Config, jobs: int = 1, progress: bool = True) -> None:
+    """Experts (J at a time, each in its own process with its share of the cores), then the router, then (with
+    ddm.monolith) the monolith at the ensemble's FLOPs; members already trained are skipped."""
+    root, cores = ensemble_dir(cfg), os.cpu_count() or 1
+    members = member_configs(cfg)
+    experts = [Member(f"expert{k}", f"expert={k}", expert_dir(cfg, k), members[f"expert{k}"].train.images)
+               for k in range(cfg.ddm.k)]
+    pending = [m for m in experts if not _finished(m.run_dir, m.images)]
     while pending:
         batch, pending = pending[:jobs], pending[jobs:]
-        if progress:
-            print(f"training experts {batch} ({threads} threads each)", flush=True)
-        running = [subprocess.Popen(_train_command(config_path, f"expert={k}", threads), env=env) for k in batch]
-        failed = [k for k, proc in zip(batch, running) if proc.wait() != 0]
-        if failed:
-            raise ConfigError(f"ddm: expert(s) {failed} failed; their logs are above; rerun to continue")
-    if not _finished(router_dir(cfg), router_config(cfg).train.images):
-        if progress:
-            print("training the router", flush=True)
-        if subprocess.run(_train_command(config_path, "router", os.cpu_count() or 1), env=env).returncode:
-            raise ConfigError("ddm: the router failed; its log is above; rerun to continue")
+        run_members(root, batch, max(1, cores // jobs), progress)
+    router = Member("router", "router", router_dir(cfg), members["router"].train.images)
+    if not _finished(router.run_dir, router.images):
+        run_members(root, [router], cores, progress)
+    if cfg.ddm.monolith:
+        images = monolith_images(cfg)  # needs the members' measured FLOPs
+        monolith = Member("monolith", "monolith", monolith_dir(cfg), images, (f"train.images={images}",))
+        if not _finished(monolith.run_dir, images):
+            if progress:
+                print(f"the monolith: the same config as one model, {images} images (the ensemble's FLOPs)",
+                      flush=True)
+            run_members(root, [monolith], cores, progress)
 
 
 def sample_and_evaluate(cfg: Config, routing: str = "top1", progress: bool = True) -> dict:
@@ -194,18 +196,17 @@ def format_comparison(table: dict) -> str:
     return "\n".join(lines)
 
 
-def build_ensemble(cfg: Config, config_path: Path, jobs: int = 1, progress: bool = True) -> dict:
+def build_ensemble(cfg: Config, jobs: int = 1, progress: bool = True) -> dict:
     """Partition, experts, router (and the monolith with ddm.monolith), then the manifest; skips what is done."""
+    member_configs(cfg)  # every member's config error, before anything is written or trained
     _save_ensemble_config(cfg)
     run_partition(cfg, progress)
-    train_members(cfg, config_path, jobs, progress)
-    if cfg.ddm.monolith:
-        _train_monolith(cfg, config_path, progress)
+    train_members(cfg, jobs, progress)
     return write_manifest(cfg)
 
 
-def run_ddm(cfg: Config, config_path: Path, jobs: int = 1, progress: bool = True) -> dict:
-    build_ensemble(cfg, config_path, jobs, progress)
+def run_ddm(cfg: Config, jobs: int = 1, progress: bool = True) -> dict:
+    build_ensemble(cfg, jobs, progress)
     result = sample_and_evaluate(cfg, "top1", progress)
     if cfg.ddm.monolith:
         table = compare_with_monolith(cfg, result, progress)
@@ -222,28 +223,34 @@ SLURM_HEADER = """#!/bin/bash
 #SBATCH --gpus-per-node=${{GPUS:-8}}
 #SBATCH --time=24:00:00
 #SBATCH --output=%x-%j.out
-set -euo pipefail
 """
 
 
-def emit_scripts(cfg: Config, config_path: Path, kind: str) -> list[Path]:
+def emit_scripts(cfg: Config, kind: str) -> list[Path]:
     """One script per island (partition first, then any expert in any order or place, the router, the
-    manifest); each island needs the config, the data and the shared ENSEMBLE folder, nothing else."""
-    out = ensemble_dir(cfg) / "launch"
+    manifest); each island needs the data and the shared ENSEMBLE folder, nothing else. Every script trains
+    from ENSEMBLE/config.yaml, written here, and takes ENSEMBLE and PYTHON from the environment where the
+    folder or the interpreter lives elsewhere (slurm runs a copy of the script, so it cannot find itself)."""
+    member_configs(cfg)
+    _save_ensemble_config(cfg)
+    root = ensemble_dir(cfg).resolve()
+    out = root / "launch"
     out.mkdir(parents=True, exist_ok=True)
-    config = shlex.quote(str(Path(config_path).resolve()))
-    launcher = ("torchrun --nproc_per_node=${NPROC:-1}" if kind == "torchrun" else
-                "srun torchrun --nproc_per_node=${GPUS:-8}")
-    steps = {"0_partition": f"{sys.executable} -m islands partition {config}"}
+    prelude = (f'set -euo pipefail\nENSEMBLE="${{ENSEMBLE:-{root}}}"\n'
+               f'PYTHON="${{PYTHON:-{sys.executable}}}"\n')
+    launcher = ('"$PYTHON" -m torch.distributed.run --nproc_per_node=${NPROC:-1}' if kind == "torchrun" else
+                'srun "$PYTHON" -m torch.distributed.run --nproc_per_node=${GPUS:-8}')
+    config, run_dir = '"$ENSEMBLE/config.yaml"', 'run_dir="$ENSEMBLE"'
+    steps = {"0_partition": f'"$PYTHON" -m islands partition {config} {run_dir} "$@"'}
     for k in range(cfg.ddm.k):
-        steps[f"1_expert{k}"] = f"{launcher} -m islands train {config} expert={k} \"$@\""
-    steps["2_router"] = f"{launcher} -m islands train {config} router \"$@\""
-    steps["3_ensemble"] = f"{sys.executable} -m islands ddm {config}"
+        steps[f"1_expert{k}"] = f'{launcher} -m islands train {config} expert={k} {run_dir} "$@"'
+    steps["2_router"] = f'{launcher} -m islands train {config} router {run_dir} "$@"'
+    steps["3_ensemble"] = f'"$PYTHON" -m islands ddm {config} {run_dir} "$@"'
     written = []
     for name, command in steps.items():
         path = out / f"{name}.sh"
-        header = SLURM_HEADER.format(name=name) if kind == "slurm" else "#!/bin/bash\nset -euo pipefail\n"
-        path.write_text(header + command + "\n")
+        header = SLURM_HEADER.format(name=name) if kind == "slurm" else "#!/bin/bash\n"
+        path.write_text(header + prelude + command + "\n")
         path.chmod(0o755)
         written.append(path)
     return written

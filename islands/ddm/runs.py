@@ -34,6 +34,11 @@ def router_dir(cfg: Config) -> Path:
 def _require_ddm(cfg: Config) -> None:
     if cfg.ddm.k < 2:
         raise ConfigError(f"ddm.k: {cfg.ddm.k}; a decentralized model needs at least 2 experts")
+
+
+def require_partition(cfg: Config) -> None:
+    """A member trains on the partition, which must exist before it starts (deriving its config needs none)."""
+    _require_ddm(cfg)
     if not (partition_dir(cfg) / "partition.json").exists():
         raise ConfigError(f"ddm: no partition in {partition_dir(cfg)}; run 'islands partition' with this config first")
 
@@ -77,9 +82,22 @@ def router_config(cfg: Config) -> Config:
                            "checkpoint_every": r.images, "sample_every": 0})
 
 
+def monolith_dir(cfg: Config) -> Path:
+    return ensemble_dir(cfg) / "monolith"
+
+
 def monolith_config(cfg: Config) -> Config:
     """The plain model of the same config and training budget, the ensemble's yardstick."""
-    return _derived(cfg, ensemble_dir(cfg) / "monolith")
+    return _derived(cfg, monolith_dir(cfg))
+
+
+def member_configs(cfg: Config) -> dict[str, Config]:
+    """Every run `islands ddm` trains, by name, derived now so that a config error stops it before any starts."""
+    members = {f"expert{k}": expert_config(cfg, k) for k in range(cfg.ddm.k)}
+    members["router"] = router_config(cfg)
+    if cfg.ddm.monolith:
+        members["monolith"] = monolith_config(cfg)
+    return members
 
 
 def distilled_dir(cfg: Config) -> Path:
@@ -89,7 +107,7 @@ def distilled_dir(cfg: Config) -> Path:
 def distill_config(cfg: Config, teacher: str = "cluster") -> Config:
     """The student: the ensemble config's own network and training settings, on the whole data set, learning
     the velocity of the expert of each image's cluster (or of the routed mixture)."""
-    _require_ddm(cfg)
+    require_partition(cfg)
     if not (ensemble_dir(cfg) / "ensemble.json").exists():
         raise ConfigError(f"distill: {ensemble_dir(cfg)} has no ensemble.json yet; run 'islands ddm' first")
     return _derived(cfg, distilled_dir(cfg), data={"partition": str(partition_dir(cfg)), "cluster": None},
