@@ -172,8 +172,12 @@ def test_bf16_autocast(name):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x, t, torch.tensor([1, NUM_CLASSES]))
         out.float().square().mean().backward()
-    assert out.shape == x.shape and torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), model(x, t, torch.tensor([1, NUM_CLASSES])), atol=0.1, rtol=0.1)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    # bf16 rounds to 2^-8 relative; a few dozen roundings in a row stay within a few units of it, and an output
+    # that rounded nothing did not run in bf16.
+    reference = model(x, t, torch.tensor([1, NUM_CLASSES]))
+    error = ((out.float() - reference).norm() / reference.norm()).item()
+    assert 2**-10 < error < 8 * 2**-8, error
 
 
 def test_unet_attention_at_listed_resolutions():
