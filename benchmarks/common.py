@@ -224,7 +224,7 @@ def ensembles_at_equal_flops(work: Path, ensembles: dict, monolith: dict) -> tup
     for name, raw in ensembles.items():
         print(f"  {name}: partition, {raw['ddm']['k']} experts, router", flush=True)
         built[name] = validate(raw)
-        build_ensemble(built[name], written(raw), jobs=2, progress=False)
+        build_ensemble(built[name], jobs=2, progress=False)
     images = max(monolith_images(cfg) for cfg in built.values())
     print(f"  monolith: {images} training images, the FLOPs of the costliest ensemble", flush=True)
     result = subprocess.run([sys.executable, "-m", "islands", "train", str(written(monolith)),
