@@ -3,15 +3,15 @@
 import json
 import pickle
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import fashion_mnist_or_skip
 from islands.cli import main
 from islands.config import EvalConfig, validate
-from islands.data.sources import FASHION_MNIST_DIR, FashionMnist, Source
+from islands.data.sources import FashionMnist, Source
 from islands.eval import metrics
 from islands.eval.evaluate import Evaluator, timed
 from islands.eval.features import Pixels, load_classifier, load_torch_features, train_classifier
@@ -39,8 +39,7 @@ class Subset(Source):
 
 @pytest.fixture(scope="module")
 def fashion():
-    if not Path(FASHION_MNIST_DIR).is_dir():
-        pytest.skip("dataset-fashion-mnist absent (make test installs it where it can)")
+    fashion_mnist_or_skip()
     return Subset(FashionMnist(split="train"), 6000), FashionMnist(split="test")
 
 
