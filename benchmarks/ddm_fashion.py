@@ -5,8 +5,9 @@ The monolith is a class-conditional U-Net trained on all 60k images. Each DDM sp
 of that U-Net (batch / K each, the same number of steps) on a feature-clustered (pixels, PCA 64, 1024 fine
 centroids, balanced) or random partition, and trains a router; the monolith is then given the router's FLOPs too,
 so every ensemble costs at most what it costs. Every ensemble is sampled with each routing policy and scored with
-the classifier features of `islands eval` (FD, KID, precision/recall, per-class coverage, label accuracy), beside
-the sampling cost per image. A row of real test images shows what the metrics read at this sample count.
+the classifier features of `islands eval` (FD, KID, precision/recall, density/coverage, class balance, label
+accuracy), beside the sampling cost per image. A row of real test images shows what the metrics read at this sample
+count.
 
 The runs live in runs/benchmarks/ddm_fashion: rerunning continues where an interrupted run stopped, training and
 evaluations alike (delete the folder to start over).
@@ -38,7 +39,11 @@ IMAGES, BATCH = 120_000, 128  # the monolith: 2 epochs; K = 8 experts train at b
 NUM, STEPS, SOLVER = 1000, 16, "heun"  # samples per evaluation; Heun's 16 steps are 31 network evaluations
 ROUTINGS = ("full", "top1", "topk:2", "sample", "oracle")
 ENSEMBLES = [("kmeans", 2), ("kmeans", 4), ("kmeans", 8), ("random", 4)]
-METRICS = ("fd", "kid_e3", "kid_se_e3", "precision", "recall", "coverage_tv", "worst_class_ratio", "label_accuracy")
+METRICS = ("fd", "kid_e3", "kid_se_e3", "precision", "recall", "density", "coverage", "class_balance_tv",
+           "worst_class_ratio", "label_accuracy")
+# Part of every cached evaluation's key: 2 since kid_se is the standard error of the estimate and density, coverage
+# and class_balance replaced the old coverage, so evaluations of older code are scored again, not mixed in.
+SCORING = 2
 SHAPE = (1, 28, 28)
 SEEDS = (1, 2, 3)  # the monolith sampled again with other noise (the table's rows use the config's seed, 0)
 
@@ -77,7 +82,7 @@ def cached(name: str, evaluate) -> dict:
     """One evaluation, kept in WORK/evaluations.json so that a rerun does not repeat it."""
     path = WORK / "evaluations.json"
     done = json.loads(path.read_text()) if path.exists() else {}
-    key = f"{name} num={NUM} steps={STEPS} solver={SOLVER}"
+    key = f"{name} num={NUM} steps={STEPS} solver={SOLVER} scoring={SCORING}"
     if key not in done:
         done[key] = evaluate()
         path.write_text(json.dumps(done, indent=1))
@@ -115,8 +120,8 @@ def mean_std(values: list) -> str:
 
 
 def row_values(result: dict) -> list:
-    coverage = result.get("coverage", {})
-    values = {**result, "worst_class_ratio": coverage.get("worst_ratio", float("nan")),
+    balance = result.get("class_balance", {})
+    values = {**result, "worst_class_ratio": balance.get("worst_ratio", float("nan")),
               "kid_e3": 1e3 * result["kid"], "kid_se_e3": 1e3 * result["kid_se"]}
     return [values.get(m, float("nan")) for m in METRICS]
 
@@ -163,8 +168,8 @@ def run() -> dict:
     for name, values in noise.items():
         print(f"{name}: FD {mean_std(values['fd'])}, KID x1e3 {mean_std([1e3 * v for v in values['kid']])}")
     print(table(["model", "routing", "train FLOPs vs mono", "FD", "KID x1e3", "+- se", "precision", "recall",
-                 "coverage TV", "worst class ratio", "label acc", "expert evals/image", "GFLOP/image", "ms/image"],
-                rows))
+                 "density", "coverage", "class balance TV", "worst class ratio", "label acc", "expert evals/image",
+                 "GFLOP/image", "ms/image"], rows))
     ensemble_keys = [k for k in found if k not in ("monolith", "real test images")]
     for label, keys in (("best ensemble", ensemble_keys), ("best top-1", [k for k in ensemble_keys if "top1" in k])):
         fd, key = min((found[k]["fd"], k) for k in keys)

@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_sample)
 
-    p = sub.add_parser("eval", help="measure samples against the data (FD, KID, precision/recall, coverage, ...)",
+    p = sub.add_parser("eval",
+                       help="measure samples against the data (FD, KID, precision/recall, density/coverage, ...)",
                        description="Evaluate a run (generating --num samples from its latest checkpoint) or an "
                                    "existing samples.npz against the run's data. Adds the result to metrics.json "
                                    "beside the target and prints it.")
@@ -200,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num", type=int, help="samples to generate for a run directory (default: eval.num)")
     p.add_argument("--steps", type=int, help="solver steps (default: the run's sample.steps)")
     p.add_argument("--metrics", nargs="+", metavar="METRIC",
-                   help="fd kid precision_recall coverage; for Gaussian-mixture data also nll swd mode_mass "
-                        "velocity_mse (default: all that apply)")
+                   help="fd kid precision_recall density_coverage, class_balance with classifier features; for "
+                        "Gaussian-mixture data also nll swd mode_mass velocity_mse (default: all that apply)")
     p.add_argument("--features", choices=["classifier", "pixels", "torch"],
                    help="feature network (default: eval.features; a classifier trained on the data for labelled "
                         "images, else pixels); torch reads eval.feature_net and eval.feature_weights")

@@ -3,15 +3,15 @@
 import json
 import pickle
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import fashion_mnist_or_skip
 from islands.cli import main
 from islands.config import EvalConfig, validate
-from islands.data.sources import FASHION_MNIST_DIR, FashionMnist, Source
+from islands.data.sources import FashionMnist, Source
 from islands.eval import metrics
 from islands.eval.evaluate import Evaluator, timed
 from islands.eval.features import Pixels, load_classifier, load_torch_features, train_classifier
@@ -39,8 +39,7 @@ class Subset(Source):
 
 @pytest.fixture(scope="module")
 def fashion():
-    if not Path(FASHION_MNIST_DIR).is_dir():
-        pytest.skip("dataset-fashion-mnist absent (make test installs it where it can)")
+    fashion_mnist_or_skip()
     return Subset(FashionMnist(split="train"), 6000), FashionMnist(split="test")
 
 
@@ -57,6 +56,36 @@ def test_classifier_features_separate_real_images_from_noise(fashion):
     assert clean * 10 < uniform and clean < noisy < uniform, (clean, noisy, uniform)
     acc = (features.predict(test_set.get(list(range(2000)))[0]) == test_set.get(list(range(2000)))[1]).double()
     assert acc.mean() > 0.5  # chance is 0.1; 47 steps of training (the default, 2 epochs of 60k, reaches ~0.9)
+
+
+def test_an_evaluator_with_a_classifier_runs_every_sample_metric_and_counts_the_classifiers_labels(tmp_path,
+                                                                                                     monkeypatch):
+    """Four classes of 8x8 images (a pattern per class, plus noise) and the classifier Islands trains on them. Fresh
+    images of the same kind read as real, uniform noise as far off; label_accuracy and class_balance are the
+    classifier's own counts on the samples."""
+    from islands.data.sources import _ArraySource
+
+    monkeypatch.setenv("ISLANDS_CACHE", str(tmp_path))
+    patterns = torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
+
+    def images(n, seed):
+        labels = torch.arange(n) % 4
+        noise = torch.rand(n, 1, 8, 8, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+        return 0.7 * patterns[labels] + 0.3 * noise, labels
+
+    evaluator = Evaluator(_ArraySource(*images(512, 1), 4), EvalConfig(classifier_epochs=1), seed=0)  # 4 steps
+    assert evaluator.metrics(with_denoiser=False) == ["fd", "kid", "precision_recall", "density_coverage",
+                                                      "class_balance"]
+    x, y = images(400, 2)
+    real = evaluator([(x[:256], y[:256]), (x[256:], y[256:])])
+    noise = evaluator([(torch.rand(x.shape, generator=torch.Generator().manual_seed(3)) * 2 - 1, y)])
+    predicted = evaluator.features.predict(x)
+    assert real["label_accuracy"] == (predicted == y).double().mean().item()
+    assert real["class_balance"]["fake_share"] == (torch.bincount(predicted, minlength=4) / 400).double().tolist()
+    assert real["class_balance_tv"] == real["class_balance"]["total_variation"]
+    assert real["density"] > 0.5 and real["coverage"] > 0.5, real
+    assert noise["density"] < 0.05 and noise["coverage"] < 0.05, noise
+    assert abs(real["kid"]) < 3 * real["kid_se"] and noise["kid"] > 10 * noise["kid_se"] > 0
 
 
 def test_the_classifier_is_deterministic_and_cached_by_data_hash(tmp_path, monkeypatch):
@@ -121,7 +150,9 @@ def test_evaluating_during_training_logs_metrics_and_leaves_the_trajectory_alone
     assert [r["images"] for r in records] == [640, 1280]
     for r in records:
         assert len(r["val_loss_by_t"]) == 8 and r["val_loss"] == pytest.approx(np.mean(r["val_loss_by_t"]))
-        assert {"fd", "kid", "precision", "recall", "nll", "swd", "mode_mass_error", "velocity_mse"} <= set(r)
+        assert {"fd", "kid", "kid_se", "precision", "recall", "density", "coverage", "nll", "swd", "mode_mass_error",
+                "velocity_mse"} <= set(r)
+        assert "class_balance_tv" not in r  # pixels of a Gaussian mixture: no classifier to count classes
     a = load_weights(latest_checkpoint(plain) / "model.safetensors")
     b = load_weights(latest_checkpoint(evaluated) / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -152,8 +183,12 @@ def test_islands_eval_names_bad_targets_and_metrics(gmm_run, tmp_path, capsys):
     run, _ = gmm_run
     assert main(["eval", str(tmp_path), "--quiet"]) == 2
     assert str(tmp_path) in capsys.readouterr().err
-    assert main(["eval", str(run), "--metrics", "coverage", "--quiet"]) == 2
-    assert "eval.metrics: 'coverage'" in capsys.readouterr().err
+    assert main(["eval", str(run), "--metrics", "coverage", "--quiet"]) == 2  # the old name of class_balance
+    err = capsys.readouterr().err
+    assert "eval.metrics: 'coverage'" in err and "class_balance" in err and "density_coverage" in err
+    assert len(err.strip().splitlines()) == 1
+    assert main(["eval", str(run), "--metrics", "class_balance", "--quiet"]) == 2  # no classifier on a mixture
+    assert "eval.metrics: 'class_balance' does not apply here" in capsys.readouterr().err
     (tmp_path / "samples.npz").write_bytes(b"not an npz")
     assert main(["eval", str(tmp_path / "samples.npz"), "--run", str(run), "--quiet"]) == 2
     assert "samples.npz" in capsys.readouterr().err

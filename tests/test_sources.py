@@ -8,8 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from islands.data.sources import (FASHION_MNIST_DIR, ArrayFile, DataError, FashionMnist,
-                                  ImageFolder, Mnist5k, Source, build_source, read_idx)
+from conftest import fashion_mnist_or_skip
+from islands.data.sources import (ArrayFile, DataError, FashionMnist, ImageFolder, Mnist5k, Source, build_source,
+                                  read_idx)
 
 
 # -----------------------------------------------------------------------------
@@ -155,8 +156,18 @@ def test_fashion_missing_dir(tmp_path):
         FashionMnist(path=missing)
 
 
-@pytest.mark.skipif(not os.path.isdir(FASHION_MNIST_DIR), reason="dataset-fashion-mnist absent")
+@pytest.mark.parametrize("ci, root, outcome", [("true", True, "fail"), ("true", False, "skip"), ("", True, "skip")])
+def test_absent_fashion_mnist_fails_in_ci_and_is_skipped_elsewhere(tmp_path, monkeypatch, ci, root, outcome):
+    monkeypatch.setenv("CI", ci)
+    monkeypatch.setattr(os, "geteuid", lambda: 0 if root else 1000)
+    expected = pytest.fail.Exception if outcome == "fail" else pytest.skip.Exception
+    with pytest.raises(expected, match=re.escape(str(tmp_path / "absent"))):
+        fashion_mnist_or_skip(tmp_path / "absent")
+    fashion_mnist_or_skip(tmp_path)  # present: nothing happens
+
+
 def test_fashion_real():
+    fashion_mnist_or_skip()
     src = FashionMnist(split="test")
     x, y = src.get(np.arange(len(src)))
     assert len(src) == 10000 and x.shape == (10000, 1, 28, 28)

@@ -24,16 +24,18 @@ from islands.flow.denoiser import Denoiser
 from islands.generate import describe_run, generate, load_denoiser, sample_labels
 from islands.train.checkpoint import CheckpointError, latest_checkpoint
 
-SAMPLE_METRICS = ("fd", "kid", "precision_recall", "coverage")  # any data, from samples alone
+SAMPLE_METRICS = ("fd", "kid", "precision_recall", "density_coverage", "class_balance")  # from samples alone
 EXACT_METRICS = ("nll", "swd", "mode_mass")  # Gaussian mixtures, from samples alone
 DENOISER_METRICS = ("velocity_mse",)  # Gaussian mixtures, from the model itself
-REFERENCE_MAX = 10_000  # data examples whose features KID and precision/recall compare against
+REFERENCE_MAX = 10_000  # data examples whose features KID, precision/recall and density/coverage compare against
+# Names that used to mean something else, with what to ask for instead.
+RENAMED = {"coverage": "'coverage' is now class_balance (the classes' shares against the data's); density_coverage "
+                       "gives Naeem et al.'s density and coverage"}
 
 
 def available_metrics(source: Source, features: Features | None, with_denoiser: bool) -> list[str]:
-    names = ["fd", "kid", "precision_recall"]
-    if isinstance(features, ClassifierFeatures):
-        names.append("coverage")
+    # class_balance needs a classifier's predictions
+    names = [m for m in SAMPLE_METRICS if m != "class_balance" or isinstance(features, ClassifierFeatures)]
     if isinstance(source, GMMSource):
         names += list(EXACT_METRICS) + (list(DENOISER_METRICS) if with_denoiser else [])
     return names
@@ -62,6 +64,9 @@ class Evaluator:
         present = available_metrics(self.source, self.features, with_denoiser)
         if not self.cfg.metrics:
             return present
+        renamed = [m for m in self.cfg.metrics if m in RENAMED]
+        if renamed:
+            raise ConfigError(f"eval.metrics: {RENAMED[renamed[0]]}")
         unknown = [m for m in self.cfg.metrics if m not in present]
         if unknown:
             raise ConfigError(f"eval.metrics: {unknown[0]!r} does not apply here; choose from {', '.join(present)}")
@@ -103,13 +108,15 @@ class Evaluator:
         if "fd" in names:
             out["fd"] = metrics.frechet_distance(metrics.feature_stats(feats), ref["stats"])
         if "kid" in names:
-            out["kid"], out["kid_se"] = metrics.kid(ref["features"], feats, seed=self.seed)
+            out["kid"], out["kid_se"] = metrics.kid(ref["features"], feats)  # kid_se: the standard error
         if "precision_recall" in names:
             out["precision"], out["recall"] = metrics.precision_recall(ref["features"], feats)
-        if "coverage" in names:
+        if "density_coverage" in names:
+            out["density"], out["coverage"] = metrics.density_coverage(ref["features"], feats)
+        if "class_balance" in names:
             predicted = torch.cat(predicted)
-            coverage = metrics.class_coverage(predicted, ref["labels"], self.source.num_classes)
-            out["coverage_tv"], out["coverage"] = coverage["total_variation"], coverage
+            balance = metrics.class_balance(predicted, ref["labels"], self.source.num_classes)
+            out["class_balance_tv"], out["class_balance"] = balance["total_variation"], balance
             if asked:  # a conditional model: how often the classifier sees the class that was asked for
                 out["label_accuracy"] = (predicted == torch.cat(asked)).double().mean().item()
         if isinstance(self.source, GMMSource):

@@ -4,7 +4,7 @@
 - `ClassifierFeatures`: a small CNN that Islands trains on a labelled data set (Fashion-MNIST, MNIST 5k),
   deterministic from its seed, cached in safetensors beside the hash of the data it learned. Its 128-d
   penultimate layer stands in for Inception's pool features where no Inception weights can be had; its
-  predictions give per-class coverage.
+  predictions give the class balance of the samples.
 - `TorchFeatures`: the user's own extractor (Inception, DINOv2, ...): a function that builds the module,
   and its weights from a safetensors file, so FID proper works wherever those weights exist.
 """
