@@ -6,14 +6,21 @@ import pickle
 import re
 
 import numpy as np
+import prdc
 import pytest
 import torch
 
 from islands.data.gmm import GaussianMixture
-from islands.eval.exact import mean_nll, mode_mass, sliced_wasserstein, velocity_error
 from islands.eval import metrics
+from islands.eval.exact import mean_nll, mode_mass, sliced_wasserstein, velocity_error
 from islands.eval.metrics import (
-    GaussianStats, StatsAccumulator, class_balance, density_coverage, feature_stats, frechet_distance, kid,
+    GaussianStats,
+    StatsAccumulator,
+    class_balance,
+    density_coverage,
+    feature_stats,
+    frechet_distance,
+    kid,
     precision_recall,
 )
 
@@ -264,7 +271,6 @@ def test_precision_recall_density_coverage_equal_prdc_on_the_same_features():
     """The peer library (prdc, by Naeem et al.) on float64 features. prdc counts a point strictly inside (<) a ball,
     we count the boundary too (<=), and the two compute distances differently: the features are checked to keep
     every distance at least 1e-9 (relative) away from every radius, so neither can matter."""
-    prdc = pytest.importorskip("prdc")
     rng = np.random.default_rng(81)
     real, fake = rng.standard_normal((600, 16)), 0.3 + 1.2 * rng.standard_normal((400, 16))
     cross = np.sqrt(np.square(real[:, None] - fake[None]).sum(-1))  # [600, 400], exact differences
