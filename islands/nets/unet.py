@@ -51,7 +51,9 @@ class AttentionBlock(nn.Module):
     def forward(self, x):
         B, C, H, W = x.shape
         qkv = self.qkv(self.norm(x)).reshape(B, 3, self.num_heads, C // self.num_heads, H * W)
-        q, k, v = qkv.transpose(-1, -2).unbind(1)  # each (B, heads, HW, head_dim)
+        # Contiguous (B, heads, HW, head_dim): SDPA's fused CPU kernel refuses a last dimension with a stride, and
+        # its fallback materialises the whole attention matrix.
+        q, k, v = qkv.transpose(-1, -2).contiguous().unbind(1)
         h = F.scaled_dot_product_attention(q, k, v)
         h = h.transpose(-1, -2).reshape(B, C, H, W)
         return x + self.proj(h)
