@@ -141,6 +141,7 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, ge=0)  # 0: no clipping
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each block (a cold start of about a minute; faster steps after it)
     ema_halflife_images: float = Field(0.0, ge=0)  # 0: no EMA
     ema_rampup: float | None = Field(0.05, gt=0)  # half-life <= rampup * images seen (EDM)
     label_dropout: float = Field(0.1, ge=0, lt=1)  # share of labels replaced by "none" for guidance
@@ -235,7 +236,8 @@ class Config(Section):
 # not what is computed (accumulate only reorders float sums, which lets a run move to fewer devices).
 RESUMABLE_CHANGES = {
     "run_dir", "train.images", "train.accumulate", "train.checkpoint_every", "train.keep_checkpoints",
-    "train.sample_every", "train.log_every", "train.max_nonfinite", "train.threads", "data.workers", "sample", "parallel",
+    "train.sample_every", "train.log_every", "train.max_nonfinite", "train.threads", "train.compile", "data.workers",
+    "sample", "parallel",
     "eval",
 }
 

@@ -27,19 +27,29 @@ from islands.parallel.launch import World
 from islands.parallel.ledger import Ledger
 
 
+def compile_blocks(net: nn.Module) -> None:
+    """torch.compile each block in place, after activation checkpointing and before sharding (torchtitan's order):
+    the blocks repeat, so one compiled graph serves them all, and their state-dict keys stay the same."""
+    for block in net.blocks:
+        block.compile(dynamic=False)
+
+
 class Strategy:
-    """Single process: wrapping is the identity and there is nothing to synchronise."""
+    """Single process: wrapping is the identity (but for compilation) and there is nothing to synchronise."""
 
     name = "none"
 
-    def __init__(self, world: World, compression: str = "none", precision: str = "fp32"):
+    def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False):
         self.world = world
         self.ledger = Ledger(world.size)
         self.compression = compression
         self.precision = precision
+        self.compile = compile
 
     def wrap(self, net: nn.Module) -> nn.Module:
         """Return what the loop calls; `net` itself stays the module whose parameters are optimized."""
+        if self.compile:
+            compile_blocks(net)
         return net
 
     def optimizer(self, net: nn.Module, **adamw) -> torch.optim.Optimizer:
@@ -94,6 +104,7 @@ class DDPStrategy(_Distributed):
     name = "ddp"
 
     def wrap(self, net: nn.Module) -> nn.Module:
+        net = super().wrap(net)
         device_ids = [self.world.device.index] if self.world.device.type == "cuda" else None
         ddp = DistributedDataParallel(net, device_ids=device_ids)
         ddp.register_comm_hook(self, _averaging_hook(self.compression))
@@ -145,6 +156,7 @@ class FSDPStrategy(_Distributed):
     reshard_after_forward = True
 
     def wrap(self, net: nn.Module) -> nn.Module:
+        net = super().wrap(net)
         # bf16 parameters for compute, fp32 reduction and fp32 master weights (torchtitan's default);
         # parallel.compression, if set, lowers the reduce-scatter's precision instead.
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.precision == "bf16" else None,
@@ -225,7 +237,8 @@ STRATEGIES = {"none": Strategy, "ddp": DDPStrategy, "zero1": Zero1Strategy, "zer
               "fsdp": FSDPStrategy}
 
 
-def build_strategy(name: str, world: World, compression: str = "none", precision: str = "fp32") -> Strategy:
+def build_strategy(name: str, world: World, compression: str = "none", precision: str = "fp32",
+                   compile: bool = False) -> Strategy:
     if name == "none" and world.distributed:
         raise ConfigError("parallel.strategy: 'none' cannot run with several ranks; choose ddp")
     if name != "none" and not dist.is_initialized():
@@ -233,4 +246,4 @@ def build_strategy(name: str, world: World, compression: str = "none", precision
     if name in ("fsdp", "zero2") and precision == "fp16":
         # GradScaler would find infinities in each rank's shard separately and let the scales drift apart.
         raise ConfigError(f"train.precision: fp16 loss scaling is not supported with {name}; use bf16")
-    return STRATEGIES[name](world, compression, precision)
+    return STRATEGIES[name](world, compression, precision, compile)

@@ -138,7 +138,8 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
     if cfg.train.batch_size % (world.size * cfg.train.accumulate):
         raise ConfigError(f"train.batch_size: {cfg.train.batch_size} is not divisible by "
                           f"{world.size} ranks x accumulate={cfg.train.accumulate}")
-    strategy = build_strategy(cfg.parallel.strategy, world, cfg.parallel.compression, cfg.train.precision)
+    strategy = build_strategy(cfg.parallel.strategy, world, cfg.parallel.compression, cfg.train.precision,
+                              cfg.train.compile)
     device, main = world.device, world.is_main
     run_dir = prepare_run_dir(cfg, write=main)
     strategy.barrier()
