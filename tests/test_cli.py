@@ -1,11 +1,19 @@
 """The command line: config errors, bad data, nothing overwritten, sampling output, help."""
 
+import itertools
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import yaml
 
 from conftest import tiny_unet_config
 from islands.cli import build_parser, main
+from islands.data.loader import stream_loader
+from islands.data.sources import build_source
+from islands.train.checkpoint import latest_checkpoint
 
 
 def write_config(path, cfg: dict):
@@ -77,6 +85,33 @@ def test_a_changed_config_does_not_touch_an_existing_run(tmp_path, capsys, image
     assert code == 2
     after = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
     assert before == after
+
+
+def test_a_run_whose_loss_stays_non_finite_exits_1_with_one_line_naming_the_last_good_checkpoint(tmp_path):
+    """Steps 4-6 each hold an example whose squared error overflows float32 (the file itself is finite:
+    a NaN would be refused when read); with max_nonfinite=3 the run stops after step 6, and the last
+    checkpoint is the one after step 3."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((256, 2)).astype(np.float32), np.arange(256) % 2
+    data = tmp_path / "vectors.npz"
+    np.savez(data, x=x, y=y)
+    order = stream_loader(build_source("npz", path=data), 32, seed=0).batch_sampler
+    for step, items in enumerate(itertools.islice(order, 6), start=1):
+        if step >= 4:
+            x[items[0][0]] = 5e19
+    np.savez(data, x=x, y=y)
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", {
+        "run_dir": str(run_dir), "seed": 0, "data": {"source": "npz", "path": str(data)},
+        "model": {"arch": "mlp", "hidden": 32, "depth": 2, "num_classes": 2},
+        "train": {"images": 640, "batch_size": 32, "checkpoint_every": 96, "max_nonfinite": 3}})
+    result = subprocess.run([sys.executable, "-m", "islands", "train", config, "--quiet"], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    last_good = run_dir / "checkpoints" / "000000000096"
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("islands: stopped after 3 steps in a row")
+    assert result.stderr.rstrip().endswith(f"(image 192); last good checkpoint: {last_good}")
+    assert latest_checkpoint(run_dir) == last_good
 
 
 def test_sample_writes_npz_and_grid(tmp_path, capsys, image_npz):

@@ -5,24 +5,40 @@ Every check compares what the ranks wrote against a single-process reference run
 
 import contextlib
 import datetime
+import itertools
 import json
+import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
 
 from islands.config import validate
+from islands.data.loader import stream_loader
+from islands.data.sources import build_source
 from islands.nets import build_network
 from islands.parallel.ledger import bytes_sent
-from islands.train.checkpoint import latest_checkpoint, list_checkpoints, load_weights, read_state
+from islands.train.checkpoint import (
+    adam_state,
+    checkpoint_dir,
+    latest_checkpoint,
+    list_checkpoints,
+    load_weights,
+    read_sharded,
+    read_state,
+)
+from islands.train.ema import EMA
 from islands.train.logbook import read_metrics
-from islands.train.loop import train
+from islands.train.loop import DiffusionObjective, TrainingStopped, train
 
 TIMEOUT_S = 240
 
@@ -155,12 +171,39 @@ def exported(run_dir) -> dict:
     return {name: (ckpt / name).read_bytes() for name in ("model.safetensors", "ema.safetensors")}
 
 
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """2-rank runs of exact_config by (strategy, compression), each launched once for the whole module.
+
+    With checkpoint_every=320 each also holds the checkpoint half way, which `cut_back` turns into an
+    interrupted run for other layouts to resume."""
+    runs = {}
+
+    def run(strategy: str, compression: str = "none") -> Path:
+        if (strategy, compression) not in runs:
+            root = tmp_path_factory.mktemp(f"{strategy}-{compression}")
+            cfg = exact_config(root / "run")
+            result = torchrun(2, cfg, root, f"parallel.strategy={strategy}", f"parallel.compression={compression}")
+            assert result.returncode == 0, result.stderr[-3000:]
+            runs[strategy, compression] = Path(cfg["run_dir"])
+        return runs[strategy, compression]
+
+    return run
+
+
+def cut_back(run_dir: Path, to: Path, images: int) -> Path:
+    """A copy of a run without its checkpoints after `images`: the run as it was when stopped there."""
+    shutil.copytree(run_dir, to)
+    for ckpt in list_checkpoints(to):
+        if int(ckpt.name) > images:
+            shutil.rmtree(ckpt)
+    assert int(latest_checkpoint(to).name) == images
+    return to
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
-def test_every_strategy_exports_the_same_weights_file_bit_for_bit(tmp_path, exact_reference, strategy):
-    cfg = exact_config(tmp_path / strategy)
-    result = torchrun(2, cfg, tmp_path, f"parallel.strategy={strategy}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert exported(cfg["run_dir"]) == exported(exact_reference)
+def test_every_strategy_exports_the_same_weights_file_bit_for_bit(two_rank_run, exact_reference, strategy):
+    assert exported(two_rank_run(strategy)) == exported(exact_reference)
 
 
 def test_a_two_rank_fsdp_run_resumes_on_one_process_bit_identically(tmp_path, exact_reference):
@@ -188,6 +231,94 @@ def test_a_one_process_run_resumes_on_two_ranks_bit_identically(tmp_path, strate
     result = torchrun(2, moved, tmp_path, f"parallel.strategy={strategy}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert exported(moved["run_dir"]) == exported(straight["run_dir"])
+
+
+@pytest.mark.parametrize("saved_by", ["ddp", "zero1", "zero2", "fsdp"])
+def test_a_two_rank_checkpoint_of_every_strategy_resumes_on_one_process_bit_identically(
+        tmp_path, two_rank_run, exact_reference, saved_by):
+    moved = cut_back(two_rank_run(saved_by), tmp_path / "moved", 320)
+    cfg = exact_config(moved, accumulate=2)
+    torch.set_num_threads(1)
+    train(validate(cfg), progress=False)
+    assert exported(moved) == exported(exact_reference)
+    assert read_state(latest_checkpoint(moved))["progress"]["step"] == 20
+
+
+def test_an_fsdp_checkpoint_resumes_under_ddp_bit_identically(tmp_path, two_rank_run, exact_reference):
+    """Sharded parameters and moments saved, replicated ones loaded: the same 2 ranks, another strategy."""
+    moved = cut_back(two_rank_run("fsdp"), tmp_path / "moved", 320)
+    result = torchrun(2, exact_config(moved), tmp_path, "parallel.strategy=ddp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert exported(moved) == exported(exact_reference)
+
+
+def sharded_state_of_one_process(cfg) -> dict:
+    """What one process holds, as the loop lays it out, ready for read_sharded to fill."""
+    net = build_network(cfg.model, (2,), 3)
+    opt = torch.optim.AdamW(net.parameters())
+    return {"model": net.state_dict(), "optim": adam_state(opt, net),
+            "ema": EMA(net, cfg.train.ema_halflife_images, cfg.train.ema_rampup).state_dict()}
+
+
+def test_three_ranks_with_uneven_padded_shards_resume_onto_and_from_one_process(tmp_path):
+    """FSDP on 3 ranks splits the 64 rows of each hidden layer as 22, 22, 20 (dim 0 padded to 66).
+
+    1 process (3 micro-batches of 16) trains to 240 images; 3 ranks resume to 960, saving at 480 and 720;
+    1 process resumes from their 720. A global batch of 48 keeps every rank's slice whole, but 3 ranks
+    cannot match 1 process bit for bit: a sum of three gradients (and the division by 3) is rounded in
+    another order. Both moves end 3e-8 from the 1-process run (weights and EMA); the smallest change of the
+    resumed state tried (Adam's step count off by one) leaves 2e-4, an EMA replaced by the weights 8e-5,
+    moments zeroed or shifted by a row 1e-2 and more: the bound 1e-6 tells them apart. The weights and EMA
+    read back from the uneven shards must be exactly those the ranks exported."""
+    def config(run_dir, **keys):
+        return exact_config(run_dir, batch_size=48, images=960, checkpoint_every=240, keep_checkpoints=10, **keys)
+
+    torch.set_num_threads(1)
+    single = train(validate(config(tmp_path / "single", accumulate=3)), progress=False)
+    onto = cut_back(single, tmp_path / "onto", 240)
+    result = torchrun(3, config(onto), tmp_path, "parallel.strategy=fsdp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [int(p.name) for p in list_checkpoints(onto)] == [240, 480, 720, 960]
+    back = cut_back(onto, tmp_path / "back", 720)
+    train(validate(config(back, accumulate=3)), progress=False)
+
+    held = sharded_state_of_one_process(validate(config(back)))
+    written_by_three = checkpoint_dir(onto, 720)
+    read_sharded(written_by_three, held)
+    for part, file in (("model", "model.safetensors"), ("ema", "ema.safetensors")):
+        whole = load_weights(written_by_three / file)
+        assert all(torch.equal(held[part][k], whole[k]) for k in whole), part
+    for file in ("model.safetensors", "ema.safetensors"):
+        truth = load_weights(latest_checkpoint(single) / file)
+        for moved in (onto, back):
+            distance = relative_difference(truth, load_weights(latest_checkpoint(moved) / file))
+            print(f"{moved.name} {file}: {distance:.2e} from the 1-process run")
+            assert distance < 1e-6
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "fsdp"])
+def test_gradient_compression_under_sharding_halves_the_gradient_traffic_and_stays_on_course(
+        two_rank_run, exact_reference, strategy):
+    """parallel.compression=bf16 lowers the gradient reduction (ZeRO-1's all-reduce, FSDP's reduce-scatter)
+    to 16 bits; parameters still travel in fp32. The sum of two bf16 numbers is commutative, so every
+    layout rounds the same numbers and the compressed runs agree with each other bit for bit."""
+    run_dir = two_rank_run(strategy, "bf16")
+    fp32 = predicted_bytes(strategy, 1, exact_config(run_dir))
+    gradients = "all_reduce" if strategy == "zero1" else "reduce_scatter"
+    summary = json.loads((run_dir / "communication.json").read_text())
+    assert summary["bytes_per_step"] == pytest.approx({**fp32, gradients: fp32[gradients] / 2})
+    distance = relative_difference(final_weights(exact_reference), final_weights(run_dir))
+    print(f"{strategy} with bf16 gradients ends {distance:.2e} from fp32")
+    assert 3e-5 < distance < 5e-4
+    if strategy != "zero1":
+        assert exported(run_dir) == exported(two_rank_run("zero1", "bf16"))
+
+
+def test_a_compressed_zero1_checkpoint_resumes_under_compressed_fsdp_bit_identically(tmp_path, two_rank_run):
+    moved = cut_back(two_rank_run("zero1", "bf16"), tmp_path / "moved", 320)
+    result = torchrun(2, exact_config(moved), tmp_path, "parallel.strategy=fsdp", "parallel.compression=bf16")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert exported(moved) == exported(two_rank_run("fsdp", "bf16"))
 
 
 @pytest.mark.parametrize("wire,ratio", [("bf16", 0.5), ("fp16", 0.5)])
@@ -328,6 +459,211 @@ def test_consistency_check_names_the_parameter_that_differs(tmp_path, perturb):
         assert all("ranks hold different weights" in v and "1.bias" in v and "0.weight" not in v for v in verdicts)
     else:
         assert verdicts == ["consistent", "consistent"]
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor this rank holds: its shard of a DTensor."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def _probe_two_ranks(rank: int, port: int, out: str) -> None:
+    """Rank `rank` of 2: the strategies' own objects, one real step each, and what they hold and send."""
+    import torch.distributed as dist
+
+    from islands.parallel.launch import World
+    from islands.parallel.strategies import STRATEGIES
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    world = World(rank=rank, size=2)
+    cfg = validate(mlp_config("unused"))
+    report = {"all_finite": {}, "moments": {}}
+    for flags in itertools.product([True, False], repeat=2):  # (rank 0's verdict, rank 1's)
+        report["all_finite"][str(flags)] = STRATEGIES["ddp"](world).all_finite(flags[rank])
+
+    issued = []  # every broadcast ZeroRedundancyOptimizer makes, seen below the strategy's own counting
+    real_broadcast = dist.broadcast
+
+    def observed(tensor, src, *args, **kwargs):
+        issued.append((tensor.numel() * tensor.element_size(), src))
+        return real_broadcast(tensor, src, *args, **kwargs)
+
+    dist.broadcast = observed
+    for name in ("ddp", "zero1", "zero2", "fsdp"):
+        torch.manual_seed(0)
+        strategy = STRATEGIES[name](world)
+        net = build_network(cfg.model, (2,), 3)
+        model = strategy.wrap(net)
+        opt = strategy.optimizer(net, lr=1e-3)
+        generator = torch.Generator().manual_seed(rank)
+        x, t = torch.randn(8, 2, generator=generator), torch.rand(8, generator=generator)
+        model(x, t, torch.randint(0, 3, (8,), generator=generator)).square().mean().backward()
+        issued.clear()
+        opt.step()
+        local = strategy.local_optimizer(opt)
+        held = sum(_local_bytes(state[k]) for state in local.state.values() for k in ("exp_avg", "exp_avg_sq"))
+        if name == "zero1":  # ZeroRedundancyOptimizer's own partition: the parameters its local AdamW steps
+            owned = [p for group in local.param_groups for p in group["params"]]
+        else:  # FSDP: this rank's shard of every parameter; DDP: every parameter whole
+            owned = list(net.parameters())
+        report["moments"][name] = {"held": held, "partition": 2 * sum(_local_bytes(p) for p in owned),
+                                   "whole": 2 * sum(p.numel() * p.element_size() for p in net.parameters())}
+        if name == "zero1":
+            steps = [{"ledger": strategy.ledger.close_step().get("comm_broadcast_bytes", 0.0),
+                      "issued": [b for b, _ in issued], "sent_as_owner": sum(b for b, src in issued if src == rank),
+                      "owned": sum(p.numel() * p.element_size() for p in owned)}]
+            # A layer unfrozen later joins the optimizer: its broadcasts must be counted too.
+            head = torch.nn.Linear(64, 64)
+            head.weight.grad, head.bias.grad = torch.ones_like(head.weight), torch.ones_like(head.bias)
+            opt.add_param_group({"params": list(head.parameters())})
+            issued.clear()
+            opt.step()
+            steps.append({"ledger": strategy.ledger.close_step().get("comm_broadcast_bytes", 0.0),
+                          "issued": [b for b, _ in issued],
+                          "whole": sum(p.numel() * p.element_size() for p in [*net.parameters(), *head.parameters()])})
+            report["zero1"] = steps
+        del model, opt, net
+    dist.broadcast = real_broadcast
+    open(f"{out}.{rank}", "w").write(json.dumps(report))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_rank_probe(tmp_path_factory):
+    """What each of 2 ranks reported from _probe_two_ranks (one spawn for all the tests that read it)."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path_factory.mktemp("probe") / "report")
+    ctx = mp.spawn(_probe_two_ranks, args=(free_port(), out), nprocs=2, join=False)
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        assert time.monotonic() < deadline, "ranks hung"
+    return [json.loads(open(f"{out}.{r}").read()) for r in range(2)]
+
+
+def test_all_finite_is_true_on_every_rank_only_when_every_rank_saw_a_finite_step(two_rank_probe):
+    for flags in itertools.product([True, False], repeat=2):
+        assert [report["all_finite"][str(flags)] for report in two_rank_probe] == [all(flags)] * 2, flags
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_each_rank_holds_the_moments_its_partition_says(two_rank_probe, strategy):
+    """Adam's exp_avg and exp_avg_sq: the whole on each rank under DDP, about half under ZeRO-1 (whole
+    parameters, balanced greedily by size) and FSDP (a dim-0 shard of every parameter), never twice."""
+    moments = [report["moments"][strategy] for report in two_rank_probe]
+    whole = moments[0]["whole"]
+    for m in moments:
+        assert m["held"] == m["partition"]
+    if strategy == "ddp":
+        assert [m["held"] for m in moments] == [whole, whole]
+    else:
+        assert sum(m["held"] for m in moments) == whole
+        assert all(0.4 < m["held"] / whole < 0.6 for m in moments)
+
+
+def test_zero1_books_the_broadcasts_its_step_really_issues(two_rank_probe):
+    """One broadcast per parameter, from its owner; the ledger books each at (W - 1) / W of its payload
+    on every rank. After a layer joins the optimizer, its broadcasts are booked too."""
+    for report in two_rank_probe:
+        first, joined = report["zero1"]
+        assert first["issued"] and first["sent_as_owner"] == first["owned"]  # this rank broadcast its partition
+        assert sum(first["issued"]) == two_rank_probe[0]["moments"]["zero1"]["whole"] // 2  # every parameter once
+        assert first["ledger"] == pytest.approx(bytes_sent("broadcast", sum(first["issued"]), 2))
+        assert sum(joined["issued"]) == joined["whole"] > sum(first["issued"])
+        assert joined["ledger"] == pytest.approx(bytes_sent("broadcast", joined["whole"], 2))
+
+
+# Squared, it overflows float32, so the loss of a batch holding it is inf, while its gradients (about 1e18)
+# stay finite: alone it makes a rank's loss non-finite without making the averaged gradients so.
+# (A NaN in the file itself is refused when the data is read.)
+OVERFLOWING = 5e19
+
+
+def mixture_npz_poisoned(path: Path, steps: set[int], batch: int, seed: int, rank: int = 0, world: int = 1) -> Path:
+    """1024 vectors of the 3-mode mixture (labels: the mode) as an npz, where the first example `rank` of
+    `world` takes in each optimizer step of `steps` (1-based) is OVERFLOWING. The loader that will feed
+    the run finds those examples."""
+    rng = np.random.default_rng(0)
+    means = np.array(mlp_config("unused")["data"]["means"])
+    y = np.arange(1024) % 3
+    x = (means[y] + 0.2 * rng.standard_normal((1024, 2))).astype(np.float32)
+    np.savez(path, x=x, y=y)
+    order = stream_loader(build_source("npz", path=path), batch, seed, start=0, rank=rank, world=world).batch_sampler
+    for step, items in enumerate(itertools.islice(order, max(steps)), start=1):
+        if step in steps:
+            x[items[0][0]] = OVERFLOWING
+    np.savez(path, x=x, y=y)
+    return path
+
+
+def launch_ranks(nproc: int, config: dict, tmp_path, *overrides: str) -> list[subprocess.CompletedProcess]:
+    """`islands train` on `nproc` ranks started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT),
+    but without its agent, which stops the other ranks as soon as one has failed: each rank's own exit
+    status and stderr are seen."""
+    path = tmp_path / "ranks.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "islands", "train", str(path), *overrides, "--quiet"],
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(nproc)]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        outputs = [p.communicate(timeout=deadline - time.monotonic()) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs, strict=True)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_a_loss_non_finite_on_one_rank_only_skips_the_step_on_both_and_max_nonfinite_stops_both(tmp_path):
+    """Rank 1 alone gets an overflowing example in steps 3 and 6-8, rank 0 a finite loss and gradients:
+    only the ranks' agreement (all_finite) makes rank 0 skip. Both must skip steps 3, 6 and 7 as one
+    process with the same global batches skips them (2 micro-batches, bit for bit up to the checkpoint
+    at 160 images, whose consistency check has both ranks' weights equal), and both stop after step 8, the
+    third non-finite step in a row, with exit status 1 and the message naming that checkpoint."""
+    seed = mlp_config("unused")["seed"]
+    data = mixture_npz_poisoned(tmp_path / "poisoned.npz", {3, 6, 7, 8}, batch=32, seed=seed, rank=1, world=2)
+
+    def config(name, **train_keys):
+        cfg = exact_config(tmp_path / name, checkpoint_every=160, log_every=32, max_nonfinite=3, **train_keys)
+        cfg["data"] = {"source": "npz", "path": str(data)}
+        cfg["parallel"] = {"timeout_s": 30}
+        return cfg
+
+    # The premise, at the initial weights: rank 1's third micro-batch overflows, its gradients and their norm
+    # do not, so neither does the average rank 0 gets.
+    cfg = validate(config("premise"))
+    source = build_source("npz", path=data)
+    x, labels, positions = next(itertools.islice(stream_loader(source, 32, seed, rank=1, world=2), 2, None))
+    torch.manual_seed(seed)
+    net = build_network(cfg.model, (2,), 3)
+    loss = DiffusionObjective(cfg, 3)(net, x, labels, positions).mean()
+    loss.backward()
+    assert not torch.isfinite(loss) and torch.isfinite(torch.nn.utils.clip_grad_norm_(net.parameters(), math.inf))
+
+    one = config("one", accumulate=2)
+    torch.set_num_threads(1)
+    with pytest.raises(TrainingStopped) as stopped:
+        train(validate(one), progress=False)
+    assert "3 steps in a row" in str(stopped.value) and "(image 256)" in str(stopped.value)
+
+    two = config("two")
+    ranks = launch_ranks(2, two, tmp_path, "parallel.strategy=ddp")
+    last_good = Path(two["run_dir"]) / "checkpoints" / "000000000160"
+    for rank in ranks:
+        assert rank.returncode == 1, rank.stderr[-3000:]
+        message = rank.stderr.strip().splitlines()[-1]
+        assert message == f"islands: {str(stopped.value).replace(str(one['run_dir']), two['run_dir'])}"
+        assert message.endswith(f"last good checkpoint: {last_good}")
+    skipped = [r["skipped"] for r in read_metrics(two["run_dir"])]
+    assert skipped == [r["skipped"] for r in read_metrics(one["run_dir"])] == [0, 0, 1, 1, 1, 2, 3]
+    assert latest_checkpoint(two["run_dir"]) == last_good
+    assert exported(two["run_dir"]) == exported(one["run_dir"])
 
 
 def test_an_expert_of_a_decentralized_model_trains_under_torchrun_with_sharding(tmp_path):

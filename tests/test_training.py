@@ -39,7 +39,7 @@ def _weights(run_dir):
     return load_weights(ckpt / "model.safetensors"), load_weights(ckpt / "ema.safetensors"), read_state(ckpt)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, image_npz, precision):
     straight = train(tiny_unet(tmp_path / "straight", image_npz, train={"precision": precision}), progress=False)
     # The interrupted run stops after its first checkpoint, leaves a half-written checkpoint behind,
@@ -56,14 +56,31 @@ def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, image_npz, preci
         assert torch.equal(m1[name], m2[name]), name
         assert torch.equal(e1[name], e2[name]), name
     assert [p.name for p in list_checkpoints(resumed)] == ["000000000048", "000000000096"]
+    # fp16 alone carries extra state, the loss scaler: its scale and its count of steps since the last
+    # overflow (which a fresh scaler would restart at the interruption) must resume too.
+    scalers = [read_trainer(latest_checkpoint(run))["scaler"] for run in (straight, resumed)]
+    assert scalers[0] == scalers[1]
+    if precision == "fp16":
+        assert scalers[0]["scale"] > 0 and scalers[0]["_growth_tracker"] > 3  # more steps than after the resume
 
 
-def test_rerunning_a_finished_run_changes_nothing(tmp_path, image_npz):
+def test_rerunning_a_finished_run_changes_nothing(tmp_path, image_npz, capsys):
     cfg = tiny_unet(tmp_path / "run", image_npz, train={"images": 16})
     run_dir = train(cfg, progress=False)
     before = (latest_checkpoint(run_dir) / "model.safetensors").read_bytes()
-    train(cfg, progress=False)
+
+    def stamps() -> dict:
+        """Every file's and folder's identity and modification time: a deterministic retraining would
+        rewrite the same bytes, but into new files. config.yaml and model.json are written by every start."""
+        return {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in run_dir.rglob("*")
+                if p.name not in ("config.yaml", "model.json")}
+
+    files, log = stamps(), (run_dir / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    train(cfg, progress=True)
     assert (latest_checkpoint(run_dir) / "model.safetensors").read_bytes() == before
+    assert capsys.readouterr().out == f"{run_dir}: already trained on 16 images; nothing to do\n"
+    assert stamps() == files and (run_dir / "metrics.jsonl").read_text() == log
 
 
 def _relative_distance(a: dict, b: dict, origin: dict) -> float:

@@ -3,7 +3,10 @@
 Bytes are counted where the collective is issued, from the payload size and the algorithm's
 per-rank traffic: a ring all-reduce of n bytes over W ranks sends 2 (W - 1) / W * n bytes from each
 rank (reduce-scatter then all-gather); a reduce-scatter or an all-gather of a full tensor of n bytes
-sends (W - 1) / W * n, and so does a pipelined broadcast of n bytes, averaged over the ranks.
+sends (W - 1) / W * n, and so does a pipelined broadcast of n bytes, averaged over the ranks: the owner
+and every peer but the last forward the n bytes once, so W - 1 of the W ranks send n. Every rank books
+each broadcast it takes part in at that average, sender or receiver; ZeRO-1's broadcasts of each
+parameter from its owner then add up to an all-gather of the whole parameters.
 """
 
 from collections import defaultdict

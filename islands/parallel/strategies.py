@@ -134,18 +134,40 @@ class Zero1Strategy(DDPStrategy):
 
     def optimizer(self, net: nn.Module, **adamw) -> torch.optim.Optimizer:
         ledger = self.ledger
-        payload = sum(p.numel() * p.element_size() for p in net.parameters())
 
         class CountingZero(ZeroRedundancyOptimizer):
             def step(self, *args, **kwargs):
-                # Each owner broadcasts its partition: the parameters once in all, like an all-gather.
-                ledger.record("broadcast", payload)
-                return super().step(*args, **kwargs)
+                with _counting_broadcasts(ledger):
+                    return super().step(*args, **kwargs)
 
         return CountingZero(net.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
 
     def local_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return opt.optim
+
+
+@contextlib.contextmanager
+def _counting_broadcasts(ledger: Ledger):
+    """Count every `dist.broadcast` issued inside the block, at its real payload.
+
+    ZeroRedundancyOptimizer.step (torch 2.x, without overlap_with_ddp) steps the local partition, then
+    calls `dist.broadcast(param, src=owner)` once per parameter of every rank's partition (or once per
+    rank's bucket with parameters_as_bucket_view): every rank takes part in each call, as sender or
+    receiver. The ledger books a broadcast of n bytes as (W - 1) / W * n sent per rank, the traffic of a
+    pipelined broadcast averaged over ranks. It has no hook of its own, so the module attribute it looks up
+    is wrapped for the duration of the step only.
+    """
+    issue = dist.broadcast
+
+    def counted(tensor, *args, **kwargs):
+        ledger.record("broadcast", tensor.numel() * tensor.element_size())
+        return issue(tensor, *args, **kwargs)
+
+    dist.broadcast = counted
+    try:
+        yield
+    finally:
+        dist.broadcast = issue
 
 
 _WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
