@@ -58,3 +58,26 @@ def fashion_mnist_or_skip(path=None) -> None:
         pytest.fail(f"Fashion-MNIST is missing from {path} in CI, where `make test` installs it "
                     "(apt-get install dataset-fashion-mnist)", pytrace=False)
     pytest.skip(f"dataset-fashion-mnist absent from {path} (make test installs it where it can)")
+
+
+# Squared, it overflows float32, so the loss of a batch holding it is inf, while its gradients (about 1e18) stay
+# finite: alone it makes a rank's loss non-finite without making the averaged gradients so. (A NaN in the file
+# itself is refused when the data is read.)
+OVERFLOWING = 5e19
+
+
+def poisoned_npz(path, x: np.ndarray, y: np.ndarray, steps, batch: int, seed: int, rank: int = 0, world: int = 1):
+    """Write x, y as an npz where the first example that `rank` of `world` takes in each optimizer step of `steps`
+    (1-based) is OVERFLOWING; the loader that will feed the run finds those examples."""
+    import itertools
+
+    from islands.data.loader import stream_loader
+    from islands.data.sources import build_source
+
+    np.savez(path, x=x, y=y)
+    order = stream_loader(build_source("npz", path=path), batch, seed, start=0, rank=rank, world=world).batch_sampler
+    for step, items in enumerate(itertools.islice(order, max(steps)), start=1):
+        if step in steps:
+            x[items[0][0]] = OVERFLOWING
+    np.savez(path, x=x, y=y)
+    return path

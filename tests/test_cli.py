@@ -1,6 +1,5 @@
 """The command line: config errors, bad data, nothing overwritten, sampling output, help."""
 
-import itertools
 import os
 import subprocess
 import sys
@@ -8,11 +7,9 @@ import sys
 import numpy as np
 import pytest
 import yaml
+from conftest import poisoned_npz, tiny_unet_config
 
-from conftest import tiny_unet_config
 from islands.cli import build_parser, main
-from islands.data.loader import stream_loader
-from islands.data.sources import build_source
 from islands.train.checkpoint import latest_checkpoint
 
 
@@ -93,13 +90,7 @@ def test_a_run_whose_loss_stays_non_finite_exits_1_with_one_line_naming_the_last
     checkpoint is the one after step 3."""
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((256, 2)).astype(np.float32), np.arange(256) % 2
-    data = tmp_path / "vectors.npz"
-    np.savez(data, x=x, y=y)
-    order = stream_loader(build_source("npz", path=data), 32, seed=0).batch_sampler
-    for step, items in enumerate(itertools.islice(order, 6), start=1):
-        if step >= 4:
-            x[items[0][0]] = 5e19
-    np.savez(data, x=x, y=y)
+    data = poisoned_npz(tmp_path / "vectors.npz", x, y, steps={4, 5, 6}, batch=32, seed=0)
     run_dir = tmp_path / "run"
     config = write_config(tmp_path / "c.yaml", {
         "run_dir": str(run_dir), "seed": 0, "data": {"source": "npz", "path": str(data)},

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import poisoned_npz
 
 from islands.config import validate
 from islands.data.loader import stream_loader
@@ -575,27 +576,13 @@ def test_zero1_books_the_broadcasts_its_step_really_issues(two_rank_probe):
         assert joined["ledger"] == pytest.approx(bytes_sent("broadcast", joined["whole"], 2))
 
 
-# Squared, it overflows float32, so the loss of a batch holding it is inf, while its gradients (about 1e18)
-# stay finite: alone it makes a rank's loss non-finite without making the averaged gradients so.
-# (A NaN in the file itself is refused when the data is read.)
-OVERFLOWING = 5e19
-
-
 def mixture_npz_poisoned(path: Path, steps: set[int], batch: int, seed: int, rank: int = 0, world: int = 1) -> Path:
-    """1024 vectors of the 3-mode mixture (labels: the mode) as an npz, where the first example `rank` of
-    `world` takes in each optimizer step of `steps` (1-based) is OVERFLOWING. The loader that will feed
-    the run finds those examples."""
+    """1024 vectors of the 3-mode mixture (labels: the mode) as an npz, poisoned as `poisoned_npz` says."""
     rng = np.random.default_rng(0)
     means = np.array(mlp_config("unused")["data"]["means"])
     y = np.arange(1024) % 3
     x = (means[y] + 0.2 * rng.standard_normal((1024, 2))).astype(np.float32)
-    np.savez(path, x=x, y=y)
-    order = stream_loader(build_source("npz", path=path), batch, seed, start=0, rank=rank, world=world).batch_sampler
-    for step, items in enumerate(itertools.islice(order, max(steps)), start=1):
-        if step in steps:
-            x[items[0][0]] = OVERFLOWING
-    np.savez(path, x=x, y=y)
-    return path
+    return poisoned_npz(path, x, y, steps, batch, seed, rank, world)
 
 
 def launch_ranks(nproc: int, config: dict, tmp_path, *overrides: str) -> list[subprocess.CompletedProcess]:
