@@ -5,9 +5,12 @@ Each prints its table, writes benchmarks/results/<name>.json and any figure to d
 
 import argparse
 import importlib
+import json
 import time
 
-BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "parallel", "fd_scale", "ddm_gmm",
+from benchmarks.common import RESULTS
+
+BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "networks", "parallel", "fd_scale", "ddm_gmm",
               "ddm_fashion"]
 
 
@@ -26,6 +29,8 @@ def main() -> None:
         start = time.perf_counter()
         result = importlib.import_module(f"benchmarks.{name}").run()
         seconds = time.perf_counter() - start
+        path = RESULTS / f"{name}.json"  # the run's duration goes with its figures
+        path.write_text(json.dumps({**json.loads(path.read_text()), "seconds": round(seconds)}, indent=2) + "\n")
         verdicts.append((name, result["met"], seconds))
         print(f"({seconds:.0f} s; benchmarks/results/{name}.json)", flush=True)
     print("\n== summary ==")

@@ -97,7 +97,8 @@ def machine() -> dict:
                 flags = line
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(memory, 1), "threads": torch.get_num_threads(),
             "bf16_flags": [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()],
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "python": platform.python_version()}

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.common import FIGURES, UNET, ensembles_at_equal_flops, save, setup, table
+from benchmarks.common import FIGURES, UNET, ensembles_at_equal_flops, measure, save, setup, table
 from islands.config import validate
 from islands.data import build_data
 from islands.ddm.ensemble import read_manifest
@@ -137,8 +137,10 @@ def run() -> dict:
     found, rows = {}, []
 
     def timed_run(evaluate):
+        """An evaluation on a quiet machine (its seconds per sample are reported), done again if others were busy."""
         start = time.perf_counter()
-        return {**evaluate(), "wall_seconds": time.perf_counter() - start}
+        result, others = measure("evaluation", evaluate)
+        return {**result, "wall_seconds": time.perf_counter() - start, "others_cpu_share": others}
 
     real = cached("real test images", lambda: real_images(validate(config(mono_dir))))
     found["real test images"] = real
@@ -171,16 +173,23 @@ def run() -> dict:
                  "density", "coverage", "class balance TV", "worst class ratio", "label acc", "expert evals/image",
                  "GFLOP/image", "ms/image"], rows))
     ensemble_keys = [k for k in found if k not in ("monolith", "real test images")]
+    best = {}
     for label, keys in (("best ensemble", ensemble_keys), ("best top-1", [k for k in ensemble_keys if "top1" in k])):
-        fd, key = min((found[k]["fd"], k) for k in keys)
+        fd, key = best[label] = min((found[k]["fd"], k) for k in keys)
         print(f"{label} by FD: {key} ({fd:.3f}) against the monolith's {mono['fd']:.3f}: "
               f"{100 * (fd / mono['fd'] - 1):+.1f}%")
+    # The paper's headline: a top-1 ensemble's FID 28% below the monolith's at equal training FLOPs.
+    met = best["best top-1"][0] < mono["fd"]
+    print(f"claim (a top-1 ensemble's FD below the monolith's at equal FLOPs): {'reproduced' if met else 'NOT reproduced'}")
     figures(ensembles, found, curves)
     monolith_images = json.loads((mono_dir / "flops.json").read_text())["images"]
+    router_share = {name: training_flops(router_dir(cfg)) / ensemble_training_flops(cfg)
+                    for name, cfg in ensembles.items()}
     save("ddm_fashion", {"results": found, "spread": noise, "router_accuracy": curves,
-                         "monolith_images": monolith_images,
-                         "settings": {"images": IMAGES, "batch": BATCH, "num": NUM, "steps": STEPS, "solver": SOLVER}})
-    return {"met": True}  # a comparison to report, not a target
+                         "monolith_images": monolith_images, "router_flops_share": router_share,
+                         "settings": {"images": IMAGES, "batch": BATCH, "num": NUM, "steps": STEPS, "solver": SOLVER},
+                         "claim": "a top-1 ensemble's FD below the monolith's at equal training FLOPs", "met": met})
+    return {"met": met}
 
 
 def figures(ensembles: dict, found: dict, curves: dict) -> None:

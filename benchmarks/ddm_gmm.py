@@ -12,6 +12,7 @@ The paper's table at our scale, on data where no feature network stands between 
     python -m benchmarks ddm_gmm
 """
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from benchmarks.common import ensembles_at_equal_flops, save, table
 from islands.ddm.pipeline import ensemble_training_flops, sample_and_evaluate, training_flops
+from islands.ddm.runs import router_dir
 from islands.eval.evaluate import evaluate_target
 from islands.flow.samplers import evaluations_per_sample
 
@@ -68,13 +70,22 @@ def run() -> dict:
                 rows.append([name, routing, cost, *(result.get(m, float("nan")) for m in METRICS),
                              result["expert_evaluations_per_sample"]])
                 print(f"  {name} {routing}: nll {result['nll']:.3f}", flush=True)
+        monolith_images = json.loads((mono_dir / "flops.json").read_text())["images"]
+        router_share = {name: training_flops(router_dir(cfg)) / ensemble_training_flops(cfg)
+                        for name, cfg in ensembles.items()}
     print(table(["model", "routing", "train FLOPs vs mono", "NLL", "sliced W2", "mode mass err",
                  "velocity MSE", "evals/sample"], rows))
     best = min((v["nll"], k) for k, v in found.items() if k != "monolith")
     print(f"best ensemble by NLL: {best[1]} ({best[0]:.3f}) against the monolith's {mono['nll']:.3f} "
           f"(data itself: {mono['nll_data']:.3f})")
-    save("ddm_gmm", {"results": found, "dim": DIM, "components": COMPONENTS})
-    return {"met": True}  # a comparison to report, not a target
+    # The paper's headline: the top-1 ensemble better than the monolith of the same training FLOPs.
+    top1 = min((v["nll"], k) for k, v in found.items() if k.endswith(" top1"))
+    met = top1[0] < mono["nll"]
+    print(f"claim (a top-1 ensemble's NLL below the monolith's at equal FLOPs): {top1[1]} {top1[0]:.3f} against "
+          f"{mono['nll']:.3f}: {'reproduced' if met else 'NOT reproduced'}")
+    save("ddm_gmm", {"results": found, "dim": DIM, "components": COMPONENTS, "monolith_images": monolith_images,
+                     "router_flops_share": router_share, "claim": "a top-1 ensemble's NLL below the monolith's at equal training FLOPs", "met": met})
+    return {"met": met}
 
 
 if __name__ == "__main__":
