@@ -4,6 +4,7 @@ Every error is a `ConfigError` whose one-line message names the offending key or
 line turns it into exit status 2.
 """
 
+import math
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -115,19 +116,42 @@ class ModelConfig(Section):
 
 
 class FlowConfig(Section):
-    path: Literal["rectified_flow", "vp_linear", "cosine"] = "rectified_flow"
+    path: Literal["rectified_flow", "vp_linear", "cosine", "vp_discrete"] = "rectified_flow"
     prediction: Literal["velocity", "epsilon", "x0"] = "velocity"
-    time_sampler: Literal["uniform", "logit_normal"] = "logit_normal"
+    time_sampler: Literal["uniform", "logit_normal"] = "logit_normal"  # vp_discrete: rounded down to a step
     logit_mean: float = 0.0
     logit_std: float = Field(1.0, gt=0)
     t_range: tuple[float, float] = (0.0, 1.0)  # in the path's own time: a timestep-range expert's share
+    # vp_discrete: DDPM's schedule of `train_steps` steps, its betas linear (1e-4 to 0.02) or cosine
+    beta_schedule: Literal["linear", "cosine"] = "linear"
+    train_steps: int = Field(1000, gt=1)
+
+    kind_key: ClassVar[str] = "path"
+    _continuous: ClassVar[set[str]] = {"prediction", "time_sampler", "logit_mean", "logit_std", "t_range"}
+    used_by: ClassVar[dict[str, set[str]]] = {
+        "rectified_flow": _continuous, "vp_linear": _continuous, "cosine": _continuous,
+        "vp_discrete": _continuous | {"beta_schedule", "train_steps"},
+    }
 
     @model_validator(mode="after")
     def _check(self):
+        self._reject_unused()
         lo, hi = self.t_range
         if not 0.0 <= lo < hi <= 1.0:
             raise ValueError(f"t_range: must satisfy 0 <= lo < hi <= 1, got {list(self.t_range)}")
+        if self.path == "vp_discrete":
+            if self.prediction == "velocity":  # its training times are exactly the kinks of its alpha
+                raise ValueError("prediction: 'velocity' is not defined on the steps of 'vp_discrete'; "
+                                 "use epsilon or x0")
+            if math.ceil(lo * self.train_steps - 1e-9) >= math.ceil(hi * self.train_steps - 1e-9):
+                raise ValueError(f"t_range: {list(self.t_range)} holds none of the steps n / {self.train_steps}")
         return self
+
+    def path_options(self) -> dict:
+        """What `build_path` takes beside the path's name: the discrete schedule, for vp_discrete only."""
+        if self.path != "vp_discrete":
+            return {}
+        return {"beta_schedule": self.beta_schedule, "train_steps": self.train_steps}
 
 
 class TrainConfig(Section):
@@ -313,7 +337,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
 def to_dict(cfg: Config) -> dict:
     """The resolved config: every key the run uses, with its value; keys of other kinds left out."""
     out = cfg.model_dump(mode="json")
-    for name in ("data", "model"):
+    for name in ("data", "model", "flow"):
         for key in getattr(cfg, name).unused_keys():
             del out[name][key]
     return out

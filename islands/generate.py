@@ -16,6 +16,7 @@ from tqdm import tqdm
 from islands.config import Config, SampleConfig, validate
 from islands.data import streams
 from islands.flow.denoiser import Denoiser, NetworkDenoiser
+from islands.flow.paths import build_path
 from islands.flow.samplers import sample
 from islands.images import save_samples_picture
 from islands.nets import build_network
@@ -42,7 +43,8 @@ def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser,
     if not (use_ema and weights.exists()):
         weights = ckpt / "model.safetensors"
     net = network_with_weights(cfg.model, tuple(info["shape"]), info["num_classes"], load_weights(weights))
-    return NetworkDenoiser(net, cfg.flow.path, cfg.flow.prediction), cfg, info
+    path = build_path(cfg.flow.path, **cfg.flow.path_options())
+    return NetworkDenoiser(net, path, cfg.flow.prediction), cfg, info
 
 
 def network_with_weights(model_cfg, shape: tuple, num_classes: int, weights: dict, device="cpu") -> torch.nn.Module:

@@ -21,6 +21,7 @@ from islands.ddm.mixture import ExpertSlot, Mixture, PriorRouter
 from islands.ddm.runs import ensemble_dir, expert_dir, partition_dir, router_dir
 from islands.errors import IslandsWarning
 from islands.flow.denoiser import NetworkDenoiser
+from islands.flow.paths import PATH_OPTIONS, build_path
 from islands.generate import network_with_weights
 from islands.nets.router import route
 from islands.train.checkpoint import CheckpointError, latest_checkpoint, load_weights
@@ -46,7 +47,8 @@ def _entry(root: Path, run: Path, name: str) -> dict:
     cfg = validate(yaml.safe_load((run / "config.yaml").read_text()))
     info = json.loads((run / "model.json").read_text())
     entry.update(weights=str(weights.relative_to(root)), sha256=file_sha256(weights), images=int(ckpt.name),
-                 path=cfg.flow.path, prediction=cfg.flow.prediction, model=to_dict(cfg)["model"], **info)
+                 path=cfg.flow.path, **cfg.flow.path_options(), prediction=cfg.flow.prediction,
+                 model=to_dict(cfg)["model"], **info)
     return entry
 
 
@@ -101,8 +103,10 @@ def _network(entry: dict, path: Path, device) -> torch.nn.Module:
 
 
 def _expert(entry: dict, path: Path, device) -> NetworkDenoiser:
-    """An expert in the canonical frame, whatever path and prediction it was trained with."""
-    return NetworkDenoiser(_network(entry, path, device), entry["path"], entry["prediction"])
+    """An expert in the canonical frame, whatever path (and schedule) and prediction it was trained with. Manifests
+    written before a path took options lack them: the path's defaults apply."""
+    flow_path = build_path(entry["path"], **{key: entry[key] for key in PATH_OPTIONS if key in entry})
+    return NetworkDenoiser(_network(entry, path, device), flow_path, entry["prediction"])
 
 
 class LearnedRouter:

@@ -54,9 +54,11 @@ class DiffusionObjective:
     """Per-sample diffusion loss with all randomness drawn from the examples' stream positions."""
 
     def __init__(self, cfg: Config, num_classes: int):
-        self.path = build_path(cfg.flow.path)
+        self.path = build_path(cfg.flow.path, **cfg.flow.path_options())
         self.prediction = cfg.flow.prediction
-        self.times = TimeSampler(cfg.flow.time_sampler, *cfg.flow.t_range, cfg.flow.logit_mean, cfg.flow.logit_std)
+        steps = cfg.flow.train_steps if cfg.flow.path == "vp_discrete" else None  # DDPM trains on integer steps
+        self.times = TimeSampler(cfg.flow.time_sampler, *cfg.flow.t_range, cfg.flow.logit_mean, cfg.flow.logit_std,
+                                 steps)
         self.seed, self.num_classes, self.label_dropout = cfg.seed, num_classes, cfg.train.label_dropout
 
     def __call__(self, net, x0: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -74,10 +76,9 @@ class DiffusionObjective:
         """Mean loss at each of `times` stratified times, on fixed examples with fixed noise and no label
         dropout: the same probe at every evaluation, so its changes are the model's, not the draw's."""
         noise = streams.normal(self.seed, list(range(len(x0))), tuple(x0.shape[1:]), "validation").to(x0)
-        t_lo, t_hi = self.times.t_lo, self.times.t_hi
         losses = []
-        for k in range(times):
-            tau = torch.full((len(x0),), t_lo + (t_hi - t_lo) * (k + 0.5) / times).to(x0)
+        for stratum in self.times.strata(times):
+            tau = torch.full((len(x0),), stratum).to(x0)
             losses.append(training_loss(net, self.path, self.prediction, x0, noise, tau, labels).mean().item())
         return losses
 

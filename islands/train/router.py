@@ -65,7 +65,8 @@ class DistillObjective:
         from islands.flow.paths import build_path
         from islands.flow.timesteps import TimeSampler
 
-        self.path, self.prediction = build_path(cfg.flow.path), cfg.flow.prediction  # the student's conventions
+        self.path = build_path(cfg.flow.path, **cfg.flow.path_options())  # the student's conventions
+        self.prediction = cfg.flow.prediction
         self.student = lambda net: NetworkDenoiser(net, self.path, self.prediction)
         self.times = TimeSampler(cfg.flow.time_sampler, *cfg.flow.t_range, cfg.flow.logit_mean, cfg.flow.logit_std)
         self.seed, self.num_classes, self.label_dropout = cfg.seed, num_classes, cfg.train.label_dropout
