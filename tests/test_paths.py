@@ -4,6 +4,7 @@ diffusers' `DDPMScheduler` and a diffusers network fed integer steps."""
 import json
 import math
 
+import diffusers
 import pytest
 import torch
 
@@ -42,7 +43,6 @@ def paper_alpha_bar(tau: float) -> float:
 
 
 def diffusers_alphas_cumprod(schedule: str) -> torch.Tensor:
-    diffusers = pytest.importorskip("diffusers")
     scheduler = diffusers.DDPMScheduler(num_train_timesteps=N, beta_schedule=DIFFUSERS_SCHEDULE[schedule])
     return scheduler.alphas_cumprod.double()
 
@@ -126,7 +126,6 @@ class IntegerSteps(torch.nn.Module):
 
 
 def tiny_unet(seed: int):
-    diffusers = pytest.importorskip("diffusers")
     torch.manual_seed(seed)
     return diffusers.UNet2DModel(sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 16),
                                  layers_per_block=1, down_block_types=("DownBlock2D", "DownBlock2D"),
