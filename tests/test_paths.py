@@ -11,7 +11,7 @@ import torch
 from islands.config import ConfigError, validate
 from islands.ddm.ensemble import _entry, _expert
 from islands.ddm.mixture import ExpertSlot, Mixture, PriorRouter
-from islands.flow.denoiser import NetworkDenoiser
+from islands.flow.denoiser import EPSILON_T_MAX, NetworkDenoiser
 from islands.flow.paths import Cosine, VPDiscrete, build_path
 from islands.flow.samplers import sample
 from islands.flow.timesteps import TimeSampler
@@ -139,7 +139,7 @@ def test_a_diffusers_epsilon_network_joins_in_the_canonical_frame(schedule):
     alphas_cumprod = diffusers_alphas_cumprod(schedule)
     gen = torch.Generator().manual_seed(1)
     x0, eps = torch.randn(6, 1, 8, 8, generator=gen), torch.randn(6, 1, 8, 8, generator=gen)
-    steps = torch.tensor([0, 1, 250, 500, 998, 999])
+    steps = torch.tensor([0, 1, 250, 500, 900, 929])  # 929: linear's last step short of sigma / alpha = 80
     # By hand, in DDPM's frame at integer steps: x_n = sqrt(ab) x0 + sqrt(1 - ab) eps, then back to canonical.
     a, s = alphas_cumprod[steps].sqrt().view(-1, 1, 1, 1), (1 - alphas_cumprod[steps]).sqrt().view(-1, 1, 1, 1)
     x_vp = a * x0 + s * eps
@@ -151,6 +151,11 @@ def test_a_diffusers_epsilon_network_joins_in_the_canonical_frame(schedule):
     got = denoiser(x_rf, t)
     gap = ((got - expected).flatten(1).abs().max(1).values / expected.flatten(1).abs().max(1).values).max()
     assert gap < 2e-5, gap  # 7e-6 measured: diffusers' alpha_bar are float32, DDPM's (and ours) float64
+    # nearer pure noise an epsilon network is evaluated at sigma / alpha = 80 (EPSILON_T_MAX), wherever x is
+    last = torch.tensor([998, 999])
+    a_n, s_n = alphas_cumprod[last].sqrt().view(-1, 1, 1, 1), (1 - alphas_cumprod[last]).sqrt().view(-1, 1, 1, 1)
+    x_end = (a_n * x0[:2] + s_n * eps[:2]) / (a_n + s_n)
+    assert torch.equal(denoiser(x_end, (s_n / (a_n + s_n)).flatten()), denoiser(x_end, torch.full((2,), EPSILON_T_MAX)))
     # the continuous cosine path queries the network one step early (tau = n / N where alpha_bar is step n - 1's)
     if schedule == "cosine":
         shifted = NetworkDenoiser(IntegerSteps(unet), "cosine", "epsilon")(x_rf[1:5], t[1:5])

@@ -14,8 +14,13 @@ from islands.flow.paths import Path, RectifiedFlow, build_path
 
 PREDICTIONS = ("velocity", "epsilon", "x0")
 
-# Epsilon and x0 predictions divide by alpha or sigma, which vanish at the ends of the path.
+# Epsilon and x0 predictions divide by alpha or sigma, which vanish at the ends of the path: the adapter keeps t
+# 1e-5 away from both ends. An epsilon network's x0 = (x - sigma eps) / alpha multiplies any error of its eps by
+# sigma / alpha, which is 1e5 at t = 1 - 1e-5; so, like EDM's samplers of VP networks (sigma_max = 80, Karras et
+# al. 2022), an epsilon network is evaluated no nearer pure noise than sigma / alpha = 80, canonical t = 80 / 81,
+# where x_t is noise to within 1.2% of its scale.
 _EDGE = 1e-5
+EPSILON_T_MAX = 80 / 81
 
 
 class Denoiser(Protocol):
@@ -69,7 +74,8 @@ class NetworkDenoiser(nn.Module):
         t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(x.shape[0])
         if self.identity:  # the canonical frame itself: nothing to convert
             return self._net(x, t, cond)
-        tau = self.path.own_time(t.clamp(_EDGE, 1 - _EDGE)).clamp(0, 1)
+        t_max = EPSILON_T_MAX if self.prediction == "epsilon" else 1 - _EDGE
+        tau = self.path.own_time(t.clamp(_EDGE, t_max)).clamp(0, 1)
         x_own = broadcast(self.path.scale(tau), x) * x
         out = self._net(x_own, tau, cond)
         x0, eps = x0_and_noise(self.path, self.prediction, x_own, out, tau)
