@@ -118,7 +118,10 @@ class ModelConfig(Section):
 class FlowConfig(Section):
     path: Literal["rectified_flow", "vp_linear", "cosine", "vp_discrete"] = "rectified_flow"
     prediction: Literal["velocity", "epsilon", "x0"] = "velocity"
-    time_sampler: Literal["uniform", "logit_normal"] = "logit_normal"  # vp_discrete: rounded down to a step
+    # None: logit_normal for images (Esser et al. 2024), uniform for vector data (model.arch mlp), where the mode
+    # weights are decided near t = 1 and logit-normal rarely trains there (docs/BENCHMARKS.md, mode_weights).
+    # vp_discrete: rounded down to a step.
+    time_sampler: Literal["uniform", "logit_normal"] | None = None
     logit_mean: float = 0.0
     logit_std: float = Field(1.0, gt=0)
     t_range: tuple[float, float] = (0.0, 1.0)  # in the path's own time: a timestep-range expert's share
@@ -166,7 +169,8 @@ class TrainConfig(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each block (a cold start of about a minute; faster steps after it)
-    ema_halflife_images: float = Field(0.0, ge=0)  # 0: no EMA
+    # EDM's 500k images and ramp-up (Karras et al. 2022): a run shorter than 10M images averages over its last 5%.
+    ema_halflife_images: float = Field(500_000.0, ge=0)  # 0: no EMA
     ema_rampup: float | None = Field(0.05, gt=0)  # half-life <= rampup * images seen (EDM)
     label_dropout: float = Field(0.1, ge=0, lt=1)  # share of labels replaced by "none" for guidance
     checkpoint_every: int = Field(5_000, gt=0)
@@ -254,6 +258,13 @@ class Config(Section):
     parallel: ParallelConfig = ParallelConfig()
     eval: EvalConfig = EvalConfig()
     ddm: DDMConfig = DDMConfig()
+
+    @model_validator(mode="after")
+    def _defaults_by_kind(self):
+        """Defaults that depend on another section, filled in so that the resolved config states them."""
+        if self.flow.time_sampler is None:
+            self.flow.time_sampler = "uniform" if self.model.arch == "mlp" else "logit_normal"
+        return self
 
 
 # Keys a resume may change: they alter how long, how often, on how many ranks and in how many micro-batches,

@@ -15,21 +15,31 @@ from islands.train.logbook import read_metrics
 from islands.train.loop import TrainingStopped, train
 
 
-def test_mlp_learns_a_2d_mixture_with_the_right_mode_weights(tmp_path):
-    cfg = load_config("configs/gmm2d.yaml", [
-        f"run_dir={tmp_path / 'gmm'}", "data.means=[[2, 0], [0, 2], [-2, 0], [0, -2]]", "data.std=0.3",
-        "data.weights=[4, 3, 2, 1]", "train.images=160000", "train.batch_size=256", "train.lr=2e-3",
-        "train.checkpoint_every=160000", "train.log_every=40000"])
+def test_the_defaults_learn_the_weights_of_16_narrow_unequal_modes(tmp_path):
+    """Vector data with its source, network and learning rate named (configs/gmm2d.yaml's 2e-3): the defaults for
+    the rest (uniform t for an MLP, EDM's EMA) put every mode near its weight (total variation 0.038, the smallest
+    mode at 0.87 of its weight). The previous defaults (logit-normal t, no EMA) left 0.060 and the smallest modes at
+    half their weight; 8000 samples alone leave about 0.017 (docs/BENCHMARKS.md, mode_weights)."""
+    means = [[-3.0 + 2 * (i % 4), -3.0 + 2 * (i // 4)] for i in range(16)]
+    weights = [0.85**k for k in range(16)]  # the largest mode 13x the smallest
+    cfg = validate({"run_dir": str(tmp_path / "gmm"), "seed": 0,
+                    "data": {"source": "gmm", "means": means, "std": 0.1, "weights": weights, "size": 20000},
+                    "model": {"arch": "mlp", "hidden": 128, "depth": 3},
+                    "train": {"images": 200_000, "batch_size": 256, "lr": 2e-3, "checkpoint_every": 200_000,
+                              "log_every": 50_000},
+                    "sample": {"num": 16}})
+    assert (cfg.flow.time_sampler, cfg.train.ema_halflife_images) == ("uniform", 500_000)
     run_dir = train(cfg, progress=False)
     denoiser, cfg, info = load_denoiser(run_dir)
-    x = generate(denoiser, (2,), 4000, cfg.sample, seed=11).double()
-    truth = GaussianMixture(cfg.data.means, cfg.data.std, cfg.data.weights)
+    x = generate(denoiser, (2,), 8000, cfg.sample.model_copy(update={"batch_size": 8000}), seed=1).double()
+    truth = GaussianMixture(means, 0.1, weights)
     nearest = torch.cdist(x, truth.means).min(1)
-    on_a_mode = (nearest.values < 4 * cfg.data.std).double().mean()
-    assert on_a_mode > 0.97, on_a_mode
-    mass = torch.bincount(nearest.indices, minlength=4).double() / len(x)
-    assert torch.allclose(mass, truth.weights, atol=0.03), (mass, truth.weights)
-    # the loss went down and the metrics log says so
+    # on the modes, if wider than they are (3x at this budget): points spread evenly would put 44% this near
+    assert (nearest.values < 0.75).double().mean() > 0.7
+    mass = torch.bincount(nearest.indices, minlength=16).double() / len(x)
+    error = (mass - truth.weights).abs()
+    assert 0.5 * error.sum() < 0.05, (mass, truth.weights)
+    assert (error < 0.02).all() and (mass > 0.6 * truth.weights).all(), (mass, truth.weights)
     losses = [r["loss"] for r in read_metrics(run_dir)]
     assert losses[-1] < losses[0]
 
