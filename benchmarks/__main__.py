@@ -10,8 +10,8 @@ import time
 
 from benchmarks.common import RESULTS
 
-BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "networks", "parallel", "fd_scale", "ddm_gmm",
-              "ddm_fashion"]
+BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "networks", "parallel", "fd_scale",
+              "mode_weights", "ddm_gmm", "ddm_fashion"]
 
 
 def main() -> None:
