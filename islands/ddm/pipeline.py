@@ -11,12 +11,11 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
 
-from islands.config import Config, ConfigError, revalidate, to_dict, trajectory_changes
+from islands.config import Config, ConfigError, revalidate
 from islands.data import build_data
 from islands.ddm.ensemble import load_ensemble, oracle_preparation, write_manifest
-from islands.ddm.members import CONFIG, Member, run_members
+from islands.ddm.members import Member, run_members
 from islands.ddm.partition import Partition, partition, save_cluster_picture
 from islands.ddm.runs import (
     ensemble_dir,
@@ -33,7 +32,7 @@ from islands.generate import load_denoiser
 from islands.images import save_samples_picture, save_side_by_side
 from islands.train.checkpoint import latest_checkpoint
 from islands.train.flops import flops_per_image
-from islands.train.loop import DiffusionObjective
+from islands.train.loop import DiffusionObjective, prepare_run_dir
 
 
 def whole_data(cfg: Config):
@@ -65,18 +64,8 @@ def run_partition(cfg: Config, progress: bool = True) -> Partition:
 
 def _save_ensemble_config(cfg: Config) -> None:
     """ENSEMBLE/config.yaml: the resolved config every member is trained from. An ensemble already there with other
-    settings is refused, not overwritten (its members were trained on those)."""
-    root = ensemble_dir(cfg)
-    path, resolved = root / CONFIG, to_dict(cfg)
-    if path.exists():
-        changes = [c for c in trajectory_changes(yaml.safe_load(path.read_text()), resolved)
-                   if not c.startswith("ddm.monolith:")]  # the yardstick may be added later
-        if changes:
-            raise ConfigError(f"{root} holds an ensemble with another config ({changes[0]}); use a new run_dir")
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{CONFIG}.tmp"
-    tmp.write_text(yaml.safe_dump(resolved, sort_keys=False))
-    tmp.replace(path)
+    settings is refused, not overwritten (its members were trained on those); the yardstick may be added later."""
+    prepare_run_dir(cfg, holds="an ensemble", may_change=("ddm.monolith",))
 
 
 def _finished(run: Path, images: int) -> bool:

@@ -94,15 +94,17 @@ def crossed(before: int, after: int, every: int) -> bool:
     return every > 0 and after // every > before // every
 
 
-def prepare_run_dir(cfg: Config, write: bool = True) -> Path:
-    """Create the run directory, or check that the one there holds this same run (every rank checks)."""
+def prepare_run_dir(cfg: Config, write: bool = True, holds: str = "a run", may_change: tuple[str, ...] = ()) -> Path:
+    """Create the run directory, or check that the one there holds this same run (every rank checks); keys in
+    `may_change` may differ too. Then write the resolved config."""
     run_dir = Path(cfg.run_dir)
     resolved = to_dict(cfg)
     config_file = run_dir / "config.yaml"
     if config_file.exists():
-        changes = trajectory_changes(yaml.safe_load(config_file.read_text()), resolved)
+        changes = [c for c in trajectory_changes(yaml.safe_load(config_file.read_text()), resolved)
+                   if c.split(":")[0] not in may_change]
         if changes:
-            raise ConfigError(f"{run_dir} holds a run with another config ({changes[0]}); use a new run_dir")
+            raise ConfigError(f"{run_dir} holds {holds} with another config ({changes[0]}); use a new run_dir")
     if not write:
         return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
