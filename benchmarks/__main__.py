@@ -8,7 +8,7 @@ import importlib
 import time
 
 BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "parallel", "fd_scale", "ddm_gmm",
-              "ddm_fashion"]
+              "ddm_fashion", "samplers"]
 
 
 def main() -> None:

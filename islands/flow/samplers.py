@@ -39,7 +39,7 @@ HEUN_T_MIN = 1e-3
 # The logsnr grid spends the N - 1 times between t = 1 and t = 0 on a window of the half log-SNR
 # lambda = log((1 - t) / t) centred on LOGSNR_CENTRE (t ~ 0.35), of width LOGSNR_WIDTH[0] ln N - LOGSNR_WIDTH[1]: a
 # budget of N evaluations cannot resolve more than that, and the window widens as it grows (at 4 evaluations it
-# spans t = 0.75 .. 0.17, at 32 t = 0.98 .. 0.006). Inside, lambda_i = centre + width / 2 sinh(k s_i) / sinh(k) with
+# spans t = 0.64 .. 0.14, at 32 t = 0.97 .. 0.009). Inside, lambda_i = centre + width / 2 sinh(k s_i) / sinh(k) with
 # s_i evenly spaced in [-1, 1]: steps of lambda about 2.4x finer in the middle, where the modes separate, than at
 # the ends, where x0 barely changes. The constants are a fit, for unipc, of the best window at 4 to 32 evaluations
 # on six Gaussian mixtures (2-D to 24-D, 3 to 16 modes, std 0.05 to 0.4), none of them the benchmark's.
