@@ -294,6 +294,7 @@ def figure(found: dict) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     labels = [k for k in found if k != "fashion"]
     fig, axes = plt.subplots(1, len(labels) + 1, figsize=(5.2 * (len(labels) + 1), 4.2), dpi=100)
@@ -310,9 +311,10 @@ def figure(found: dict) -> None:
                 rows = res[lib][name]
                 ax.plot(BUDGETS, [rows[b]["error"] for b in BUDGETS], style, marker="o", ms=3,
                         label=("Islands " if lib == "islands" else "diffusers ") + name)
-        ax.axhline(res["reference_error"], color="0.6", ls=":", lw=1, label="dopri5's own error")
-        ax.set(xscale="log", yscale="log", xlabel="network evaluations", ylabel="mean L2 error to dopri5", title=label)
-        ax.set_xticks(BUDGETS, [str(b) for b in BUDGETS])
+        ax.set(xscale="log", yscale="log", xlabel="network evaluations", ylabel="mean L2 error to dopri5",
+               title=f"{label} (dopri5's own error {res['reference_error']:.0e})")
+        ax.set_xticks(BUDGETS, [str(b) for b in BUDGETS], minor=False)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend(fontsize=7)
     ax, fash = axes[-1], found["fashion"]
     for lib, style in (("islands", "-"), ("diffusers", "--")):
@@ -323,7 +325,8 @@ def figure(found: dict) -> None:
     ax.axhline(ref["fd"], color="0.6", ls=":", lw=1, label=f"{ref_name} ({ref['evaluations']} evals)")
     ax.set(xscale="log", yscale="log", xlabel="network evaluations", ylabel="FD (classifier features)",
            title="Fashion-MNIST U-Net, 1000 samples")
-    ax.set_xticks(FASHION_BUDGETS, [str(b) for b in FASHION_BUDGETS])
+    ax.set_xticks(FASHION_BUDGETS, [str(b) for b in FASHION_BUDGETS], minor=False)
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend(fontsize=7)
     fig.tight_layout()
     FIGURES.mkdir(parents=True, exist_ok=True)

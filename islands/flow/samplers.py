@@ -48,7 +48,7 @@ LOGSNR_WIDTH = (2.8, 1.5)
 LOGSNR_WARP = 1.5
 
 
-def _u(steps: int, t_min: float) -> Tensor:
+def _fractions(steps: int, t_min: float) -> Tensor:
     """Decreasing float64 fractions: steps + 1 from 1 to 0, or with t_min > 0, steps from 1 to t_min and a 0."""
     if t_min <= 0:
         return torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
@@ -69,9 +69,9 @@ def time_grid(steps: int, kind: str = "uniform", shift: float = 3.0, rho: float 
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if kind == "uniform":
-        return _u(steps, t_min)
+        return _fractions(steps, t_min)
     if kind == "shifted":
-        u = _u(steps, t_min)
+        u = _fractions(steps, t_min)
         return shift * u / (1 + (shift - 1) * u)
     if kind == "edm":
         smax, smin = 80.0 ** (1 / rho), 0.002 ** (1 / rho)
@@ -191,12 +191,16 @@ def _exponential_step(x: Tensor, t: float, t_next: float, x0: Tensor, points: li
 
 # unipc keeps the corrector's last correction through its final step when the last time is at most this (see unipc)
 UNIPC_KEEP_LAST_CORRECTION = 0.1
+# unipc's predictor order: 2, and 3 from this many steps on. On six Gaussian mixtures with the logsnr grid, order 3
+# had 3% less error than order 2 at 12 steps, 12% at 16, 22% at 24 and 32% at 32, and more below 12: extrapolating
+# a quadratic pays once the steps are short.
+UNIPC_ORDER_3_FROM = 16
 
 
-def unipc(v: Callable, x: Tensor, grid: Tensor, order: int = 2) -> Tensor:
+def unipc(v: Callable, x: Tensor, grid: Tensor, order: int | None = None) -> Tensor:
     """UniPC (Zhao et al. 2023, arXiv 2302.04867): a UniP predictor of `order` and a UniC corrector of order + 1.
 
-    One evaluation per step. Data-prediction form on the rectified-flow path, with the exact phi-function
+    One evaluation per step. `order` None: 2, or 3 on grids of UNIPC_ORDER_3_FROM steps or more. Data-prediction form on the rectified-flow path, with the exact phi-function
     coefficients of the Taylor expansion at the top of this file (UniPC's varying-coefficient form) rather than
     its B(h) approximations (diffusers' bh1/bh2). Each step:
       evaluate x0_i at the predicted x_i;
@@ -214,6 +218,8 @@ def unipc(v: Callable, x: Tensor, grid: Tensor, order: int = 2) -> Tensor:
     (last time 0.14) it cost 13%.
     """
     ts = grid.tolist()
+    if order is None:
+        order = 3 if len(ts) - 1 >= UNIPC_ORDER_3_FROM else 2
     history: list[tuple[float, Tensor]] = []  # (lambda, x0) at the times evaluated so far, newest last
     previous = None  # (x at the start of the step just taken, its time, its predictor order)
     for t, t_next in zip(ts[:-1], ts[1:], strict=True):
