@@ -200,9 +200,9 @@ UNIPC_ORDER_3_FROM = 16
 def unipc(v: Callable, x: Tensor, grid: Tensor, order: int | None = None) -> Tensor:
     """UniPC (Zhao et al. 2023, arXiv 2302.04867): a UniP predictor of `order` and a UniC corrector of order + 1.
 
-    One evaluation per step. `order` None: 2, or 3 on grids of UNIPC_ORDER_3_FROM steps or more. Data-prediction form on the rectified-flow path, with the exact phi-function
-    coefficients of the Taylor expansion at the top of this file (UniPC's varying-coefficient form) rather than
-    its B(h) approximations (diffusers' bh1/bh2). Each step:
+    One evaluation per step; `order` None is 2, or 3 on grids of UNIPC_ORDER_3_FROM steps or more. Data-prediction
+    form on the rectified-flow path, with the exact phi-function coefficients of the Taylor expansion at the top of
+    this file (UniPC's varying-coefficient form) rather than its B(h) approximations (diffusers' bh1/bh2). Each step:
       evaluate x0_i at the predicted x_i;
       UniC: redo the step that produced x_i with x0_i included in the fit (order + 1, no extra evaluation);
       UniP: from the corrected x_i, extrapolate the last `order` data predictions to t_{i+1}.
