@@ -199,7 +199,10 @@ def table(headers: list[str], rows: list[list]) -> str:
         return str(v)
     cells = [headers] + [[fmt(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+
+    def line(r: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
+
     return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] +
                      [line(r) for r in cells[1:]])
 

@@ -180,7 +180,8 @@ def run() -> dict:
               f"{100 * (fd / mono['fd'] - 1):+.1f}%")
     # The paper's headline: a top-1 ensemble's FID 28% below the monolith's at equal training FLOPs.
     met = best["best top-1"][0] < mono["fd"]
-    print(f"claim (a top-1 ensemble's FD below the monolith's at equal FLOPs): {'reproduced' if met else 'NOT reproduced'}")
+    verdict = "reproduced" if met else "NOT reproduced"
+    print(f"claim (a top-1 ensemble's FD below the monolith's at equal FLOPs): {verdict}")
     figures(ensembles, found, curves)
     monolith_images = json.loads((mono_dir / "flops.json").read_text())["images"]
     router_share = {name: training_flops(router_dir(cfg)) / ensemble_training_flops(cfg)

@@ -84,7 +84,8 @@ def run() -> dict:
     print(f"claim (a top-1 ensemble's NLL below the monolith's at equal FLOPs): {top1[1]} {top1[0]:.3f} against "
           f"{mono['nll']:.3f}: {'reproduced' if met else 'NOT reproduced'}")
     save("ddm_gmm", {"results": found, "dim": DIM, "components": COMPONENTS, "monolith_images": monolith_images,
-                     "router_flops_share": router_share, "claim": "a top-1 ensemble's NLL below the monolith's at equal training FLOPs", "met": met})
+                     "router_flops_share": router_share,
+                     "claim": "a top-1 ensemble's NLL below the monolith's at equal training FLOPs", "met": met})
     return {"met": met}
 
 

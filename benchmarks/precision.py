@@ -22,8 +22,21 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from benchmarks.common import BATCH, DIT, FIGURES, UNET, BareLoop, build_net, islands_config, measure, median, \
-    save, setup, table, window_rates
+from benchmarks.common import (
+    BATCH,
+    DIT,
+    FIGURES,
+    UNET,
+    BareLoop,
+    build_net,
+    islands_config,
+    measure,
+    median,
+    save,
+    setup,
+    table,
+    window_rates,
+)
 from islands.config import SampleConfig
 from islands.generate import generate, load_denoiser
 from islands.train.logbook import read_metrics

@@ -30,8 +30,7 @@ import time
 from unittest import mock
 
 import islands.train.loop
-from benchmarks.common import BATCH, LR, UNET, BareLoop, build_net, islands_config, measure, median, save, setup, \
-    table
+from benchmarks.common import BATCH, LR, UNET, BareLoop, build_net, islands_config, measure, median, save, setup, table
 from islands.train.logbook import read_metrics
 
 PRECISION = "bf16"

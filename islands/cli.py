@@ -3,10 +3,11 @@
 import argparse
 import contextlib
 import sys
+import typing
 import warnings
 from pathlib import Path
 
-from islands.config import ConfigError, load_config
+from islands.config import ConfigError, SampleConfig, load_config
 
 EPILOG_TRAIN = """examples:
   islands train configs/mnist5k.yaml
@@ -155,6 +156,11 @@ def _ensemble_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
 
 
+def _choices(key: str) -> tuple[str, ...]:
+    """The values a `sample` key accepts, read from its config field so the two never disagree."""
+    return typing.get_args(SampleConfig.model_fields[key].annotation)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="islands", description="Train and sample diffusion / flow-matching models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -176,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num", type=int, required=True, help="number of samples")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--steps", type=int, help="solver steps (default: the run's sample.steps)")
-    p.add_argument("--solver", choices=["euler", "heun", "dpm2m"], help="ODE solver (default: sample.solver)")
-    p.add_argument("--grid", choices=["uniform", "edm", "shifted"], help="time grid (default: sample.grid)")
+    p.add_argument("--solver", choices=_choices("solver"), help="ODE solver (default: sample.solver)")
+    p.add_argument("--grid", choices=_choices("grid"), help="time grid (default: sample.grid)")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale; 1 = none (default: sample.guidance)")
     p.add_argument("--seed", type=int, help="noise seed; sample i depends only on (seed, i) (default: the run's seed)")
     p.add_argument("--class", dest="class_label", type=int, help="generate only this class (conditional models)")

@@ -193,8 +193,8 @@ class TrainConfig(Section):
 class SampleConfig(Section):
     num: int = Field(64, gt=0)
     steps: int = Field(32, gt=0)
-    solver: Literal["euler", "heun", "dpm2m"] = "heun"
-    grid: Literal["uniform", "edm", "shifted"] = "uniform"
+    solver: Literal["euler", "heun", "dpm2m", "unipc"] = "heun"
+    grid: Literal["uniform", "edm", "shifted", "logsnr"] = "uniform"
     guidance: float = Field(1.0, ge=0)
     batch_size: int = Field(256, gt=0)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: the networks' matmuls under autocast; the ODE stays fp32

@@ -5,8 +5,14 @@ import pickle
 import pytest
 import torch
 
-from islands.train.checkpoint import (CheckpointError, list_checkpoints, load_weights, read_sharded, save_weights,
-                                      write_checkpoint)
+from islands.train.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    load_weights,
+    read_sharded,
+    save_weights,
+    write_checkpoint,
+)
 
 
 def test_safetensors_round_trip_keeps_values_and_dtypes(tmp_path):

@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from conftest import fashion_mnist_or_skip
+
 from islands.cli import main
 from islands.config import EvalConfig, validate
 from islands.data.sources import FashionMnist, Source
@@ -18,6 +18,7 @@ from islands.eval.features import Pixels, load_classifier, load_torch_features, 
 from islands.train.checkpoint import CheckpointError, latest_checkpoint, load_weights, save_weights
 from islands.train.logbook import read_metrics
 from islands.train.loop import train
+
 
 class Subset(Source):
     def __init__(self, source: Source, n: int, noise: float = 0.0, uniform: bool = False):

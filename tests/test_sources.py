@@ -6,12 +6,19 @@ import struct
 import numpy as np
 import pytest
 import torch
+from conftest import fashion_mnist_or_skip
 from PIL import Image
 
-from conftest import fashion_mnist_or_skip
-from islands.data.sources import (ArrayFile, DataError, FashionMnist, ImageFolder, Mnist5k, Source, build_source,
-                                  read_idx)
-
+from islands.data.sources import (
+    ArrayFile,
+    DataError,
+    FashionMnist,
+    ImageFolder,
+    Mnist5k,
+    Source,
+    build_source,
+    read_idx,
+)
 
 # -----------------------------------------------------------------------------
 # helpers

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import tiny_unet
+
 from islands.config import load_config, validate
 from islands.data.gmm import GaussianMixture
 from islands.generate import generate, load_denoiser

@@ -17,11 +17,11 @@ that names the file and what is wrong.
 """
 
 import gzip
-from abc import ABC, abstractmethod
 import importlib.util
 import os
-import zlib
 import zipfile
+import zlib
+from abc import ABC, abstractmethod
 
 import numpy as np
 import torch

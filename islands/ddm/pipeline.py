@@ -11,7 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-
 from islands.config import Config, ConfigError, revalidate
 from islands.data import build_data
 from islands.ddm.ensemble import load_ensemble, oracle_preparation, write_manifest

@@ -18,8 +18,15 @@ from islands.data import build_data
 from islands.data.gmm import GMMSource
 from islands.data.sources import Source
 from islands.eval import exact, metrics
-from islands.eval.features import (ClassifierFeatures, Features, Pixels, cache_dir, data_fingerprint,
-                                   load_classifier, load_torch_features)
+from islands.eval.features import (
+    ClassifierFeatures,
+    Features,
+    Pixels,
+    cache_dir,
+    data_fingerprint,
+    load_classifier,
+    load_torch_features,
+)
 from islands.flow.denoiser import Denoiser
 from islands.generate import describe_run, generate, load_denoiser, sample_labels
 from islands.train.checkpoint import CheckpointError, latest_checkpoint

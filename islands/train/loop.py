@@ -19,19 +19,25 @@ from tqdm import tqdm
 from islands.config import Config, ConfigError, to_dict, trajectory_changes
 from islands.data import ClusterLabelled, build_data, streams
 from islands.data.loader import stream_loader
+from islands.eval.evaluate import Evaluator, generated
 from islands.flow.denoiser import NetworkDenoiser
 from islands.flow.objectives import training_loss
 from islands.flow.paths import build_path
 from islands.flow.timesteps import TimeSampler
-from islands.eval.evaluate import Evaluator, generated
 from islands.generate import generate, network_with_weights, sample_labels
 from islands.images import save_curve, save_samples_picture
 from islands.nets import build_network
 from islands.parallel.launch import World, close_world, init_world
 from islands.parallel.strategies import build_strategy
 from islands.train.activation_checkpointing import checkpoint_blocks
-from islands.train.checkpoint import (adam_state, latest_checkpoint, read_sharded, read_state, read_trainer,
-                                      write_checkpoint)
+from islands.train.checkpoint import (
+    adam_state,
+    latest_checkpoint,
+    read_sharded,
+    read_state,
+    read_trainer,
+    write_checkpoint,
+)
 from islands.train.ema import EMA
 from islands.train.flops import flops_per_image, write_flops
 from islands.train.logbook import Logbook
