@@ -171,7 +171,8 @@ def test_an_expert_that_never_finished_is_named_and_routed_around(ensemble, tmp_
     assert "weights" not in write_manifest(cfg.model_copy(update={"run_dir": str(copy)}))["experts"][1]
     assert main(["sample", str(copy), "--num", "8", "--out", str(tmp_path / "out"), "--quiet"]) == 0
     err = capsys.readouterr().err
-    assert err == f"islands: warning: expert1 has no finished checkpoint ({copy / 'experts' / '1'}); routing around it\n"
+    missing = copy / "experts" / "1"
+    assert err == f"islands: warning: expert1 has no finished checkpoint ({missing}); routing around it\n"
 
 
 def test_a_member_that_crashes_exits_1_naming_it_its_status_and_its_log(ensemble, tmp_path, capsys):
@@ -253,7 +254,8 @@ def test_emitted_scripts_train_an_island_from_the_ensemble_config(ensemble, tmp_
     assert main(["ddm", str(moved / "config.yaml"), f"run_dir={moved}", "--emit", "slurm"]) == 0
     for script in (moved / "launch").glob("*.sh"):
         text = script.read_text()
-        assert text.startswith("#!/bin/bash\n#SBATCH --job-name=islands-") and f'ENSEMBLE="${{ENSEMBLE:-{moved}}}"' in text
+        assert text.startswith("#!/bin/bash\n#SBATCH --job-name=islands-")
+        assert f'ENSEMBLE="${{ENSEMBLE:-{moved}}}"' in text
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     assert "srun" in (moved / "launch" / "1_expert2.sh").read_text()
 
@@ -321,6 +323,7 @@ def test_the_monolith_of_the_same_budget_is_trained_and_compared_side_by_side(en
     # together, rounded up to whole batches: the router's FLOPs bought it more images than the config's
     batch_flops = mono["flops_per_image"] * cfg.train.batch_size
     assert 0 <= table["training_flops"]["monolith"] - table["training_flops"]["ensemble"] < batch_flops
-    assert mono["images"] - cfg.train.images == pytest.approx(router / mono["flops_per_image"], abs=cfg.train.batch_size)
+    extra_images = mono["images"] - cfg.train.images
+    assert extra_images == pytest.approx(router / mono["flops_per_image"], abs=cfg.train.batch_size)
     assert table["expert_evaluations_per_sample"] == {"ensemble": 23, "monolith": 23}
     assert (root / "comparison.png").stat().st_size > 0

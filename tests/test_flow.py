@@ -90,7 +90,8 @@ def test_adapter_is_exact_for_every_path_and_prediction(path_name, options, pred
     denoiser = NetworkDenoiser(GaussianOracle(path, prediction), path, prediction)
     gen = torch.Generator().manual_seed(0)
     t = torch.rand(256, generator=gen) * 0.96 + 0.02
-    x = (1 - t[:, None]) * (MEAN + STD * torch.randn(256, 3, generator=gen)) + t[:, None] * torch.randn(256, 3, generator=gen)
+    x0 = MEAN + STD * torch.randn(256, 3, generator=gen)
+    x = (1 - t[:, None]) * x0 + t[:, None] * torch.randn(256, 3, generator=gen)
     expected = truth.velocity(x, t)
     got = denoiser(x, t)
     assert torch.allclose(got, expected, atol=1e-8, rtol=1e-6), (got - expected).abs().max()

@@ -327,7 +327,10 @@ def test_oracle_draws_a_conditional_sample_from_the_clusters_of_its_class():
     n = 30_000
     labels = torch.arange(n) % 3  # 2 = no label (2 classes)
     drawn = oracle_clusters(manifest, seed=0, first=0, num=n, labels=labels)
-    share = lambda c: torch.bincount(drawn[labels == c], minlength=3).double() / (labels == c).sum()
+
+    def share(c):
+        return torch.bincount(drawn[labels == c], minlength=3).double() / (labels == c).sum()
+
     assert (drawn[labels == 0] == 1).all()  # a class held by one cluster always goes to that expert
     # 10k draws each: the standard error of a share is at most 0.005
     assert torch.allclose(share(1), torch.tensor([0.25, 0.0, 0.75], dtype=torch.float64), atol=0.02)

@@ -50,7 +50,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, config: dict, tmp_path, *overrides: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, config: dict, tmp_path, *overrides: str,
+             extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     path = tmp_path / f"config-{nproc}.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -301,8 +301,8 @@ def _perturbed(net):
 def test_same_seed_same_sample_whatever_the_batch(make, shape):
     denoiser = NetworkDenoiser(_perturbed(make()))
     labels = torch.arange(16) % 4
-    one_by_one, batched = (generate(denoiser, shape, 16, SampleConfig(steps=6, solver="heun", guidance=1.5, batch_size=b),
-                                    7, labels) for b in (1, 16))
+    opts = [SampleConfig(steps=6, solver="heun", guidance=1.5, batch_size=b) for b in (1, 16)]
+    one_by_one, batched = (generate(denoiser, shape, 16, o, 7, labels) for o in opts)
     assert torch.allclose(one_by_one, batched, atol=1e-5)
     # A later sample does not depend on how many came before it in the request.
     tail = generate(denoiser, shape, 4, SampleConfig(steps=6, solver="heun", guidance=1.5), 7, labels[12:], first=12)

@@ -203,7 +203,8 @@ def test_compiled_blocks_train_the_same_run_and_keep_the_keys(tmp_path):
         cfg = load_config("configs/gmm2d.yaml", [f"run_dir={tmp_path / name}", "model.hidden=32", "model.depth=2",
                                                  "train.images=2048", "train.batch_size=256", "train.warmup_images=0",
                                                  "train.checkpoint_every=2048", "train.log_every=2048",
-                                                 "sample.num=16", "sample.steps=2", "train.activation_checkpointing=true",
+                                                 "sample.num=16", "sample.steps=2",
+                                                 "train.activation_checkpointing=true",
                                                  *[f"train.{k}={v}" for k, v in train_keys.items()]])
         return _weights(train(cfg, progress=False))[0]
 

@@ -21,7 +21,7 @@ class GaussianMixture:
         if self.means.dim() != 2:
             raise ValueError(f"means must be a list of vectors, got shape {tuple(self.means.shape)}")
         k = self.means.shape[0]
-        w = torch.full((k,), 1.0 / k, dtype=torch.float64) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
+        w = torch.ones(k, dtype=torch.float64) / k if weights is None else torch.as_tensor(weights, dtype=torch.float64)
         if w.shape != (k,) or (w < 0).any() or w.sum() <= 0:
             raise ValueError(f"weights must be {k} non-negative numbers, got {weights}")
         if std <= 0:

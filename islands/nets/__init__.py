@@ -14,7 +14,8 @@ def build_network(cfg, shape: tuple[int, ...], num_classes: int) -> nn.Module:
     if cfg.arch == "router":
         try:
             if len(shape) == 1:
-                return mlp_router(shape[0], cfg.outputs, hidden=cfg.hidden, depth=cfg.depth or 4, num_classes=num_classes)
+                return mlp_router(shape[0], cfg.outputs, hidden=cfg.hidden, depth=cfg.depth or 4,
+                                  num_classes=num_classes)
             return TransformerRouter(shape[1], shape[0], cfg.outputs, patch_size=cfg.patch_size,
                                      hidden_size=cfg.hidden_size or 128, depth=cfg.depth or 4,
                                      num_heads=cfg.num_heads or 4, num_classes=num_classes)
