@@ -36,6 +36,15 @@ def tiny_unet(run_dir, data_path, **sections):
     return validate(tiny_unet_config(run_dir, data_path, **sections))
 
 
+@pytest.fixture
+def float64():
+    """Tensors built in float64 for the test's duration, for comparisons against closed forms."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def private_cache(tmp_path_factory):
     """Trained feature classifiers and reference statistics go to a fresh folder, never ~/.cache."""

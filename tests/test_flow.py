@@ -18,12 +18,7 @@ CONTINUOUS = sorted(set(PATHS) - {"vp_discrete"})
 PATH_SPECS = [(name, {}) for name in sorted(PATHS)] + [("vp_discrete", {"beta_schedule": "cosine"})]
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # exact comparisons: tensors built in float64
 
 
 class GaussianOracle(torch.nn.Module):

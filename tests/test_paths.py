@@ -22,12 +22,7 @@ N = 1000
 DIFFUSERS_SCHEDULE = {"linear": "linear", "cosine": "squaredcos_cap_v2"}
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # exact comparisons: tensors built in float64
 
 
 @pytest.fixture
