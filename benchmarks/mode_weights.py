@@ -1,7 +1,7 @@
 """What decides the mode weights on low-dimensional data: the time sampler, the EMA, the network, the step count.
 
 A 2-D mixture of 16 narrow Gaussians (std 0.1 on a 4x4 grid of spacing 2) with unequal weights (0.85^k,
-normalised: the largest mode 13x the smallest). Every run trains for the same images at batch 256 and samples
+normalised: the largest mode 11x the smallest). Every run trains for the same images at batch 256 and samples
 10,000 points (Heun); the metrics are exact: the total variation between the samples' mode masses (each sample
 given to its most likely component) and the true weights, the largest error of one mode, and the velocity MSE
 against the exact field at a few t (late t is where the weights of the modes are decided: there x_t still
