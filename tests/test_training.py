@@ -229,7 +229,7 @@ def test_run_directory_holds_config_metrics_tensorboard_and_sample_grids(tmp_pat
 
 def test_loader_workers_and_fp16_loss_scaling(tmp_path, image_npz):
     """Worker processes feed the same examples in the same order; fp16 trains with a saved loss scale."""
-    base = dict(model={"dropout": 0.0}, train={"images": 32, "accumulate": 1})
+    base = {"model": {"dropout": 0.0}, "train": {"images": 32, "accumulate": 1}}
     in_process = _weights(train(tiny_unet(tmp_path / "w0", image_npz, **base), progress=False))[0]
     workers = _weights(train(tiny_unet(tmp_path / "w2", image_npz, data={"workers": 2}, **base), progress=False))[0]
     assert all(torch.equal(in_process[k], workers[k]) for k in in_process)
