@@ -76,27 +76,31 @@ def _sample(args) -> int:
 def _sample_ensemble(args) -> int:
     import torch
 
-    from islands.ddm.ensemble import load_ensemble, oracle_preparation
+    from islands.ddm.ensemble import ancestral_preparation, load_ensemble
+    from islands.ddm.mixture import DEFAULT_ROUTING, parse_routing
     from islands.flow.samplers import evaluations_per_sample
     from islands.generate import generate, sample_labels, write_samples
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        parse_routing(args.routing or DEFAULT_ROUTING)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     cfg = load_config(Path(args.run_dir) / "config.yaml")
-    mixture, manifest = load_ensemble(Path(args.run_dir), args.routing or "top1", args.max_loaded, cfg.seed)
+    mixture, manifest = load_ensemble(Path(args.run_dir), args.routing or DEFAULT_ROUTING, args.max_loaded, cfg.seed)
     shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)  # load_ensemble ensured one
     num_classes = cfg.model.num_classes
     opts = _sample_options(cfg, args)
     seed = cfg.seed if args.seed is None else args.seed
     labels = sample_labels(args.num, num_classes, args.class_label)
-    oracle = (args.routing or "").startswith("oracle")
-    prepare = oracle_preparation(mixture, manifest, seed) if oracle else None
+    prepare = ancestral_preparation(mixture, manifest, seed)
     x = generate(mixture, shape, args.num, opts, seed, labels, progress=not args.quiet, prepare=prepare)
     for path in write_samples(x, labels, Path(args.out)):
         print(f"wrote {path}")
     one_model = evaluations_per_sample(opts.solver, opts.steps, opts.guidance if labels is not None else 1.0)
     print(f"expert evaluations per sample: {mixture.evaluations / args.num:.1f} "
-          f"({args.routing or 'top1'} routing; one model would take {one_model})")
+          f"({args.routing or DEFAULT_ROUTING} routing; one model would take {one_model})")
     return 0
 
 
@@ -162,6 +166,8 @@ def _choices(key: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from islands.ddm.mixture import DEFAULT_ROUTING, ROUTINGS
+
     parser = argparse.ArgumentParser(prog="islands", description="Train and sample diffusion / flow-matching models.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -193,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "avx512_bf16 (default: sample.precision)")
     p.add_argument("--threads", type=int, help="torch threads")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
-    p.add_argument("--routing", help="ensembles only: full, top1 (default), topk:K, threshold:P, sample or oracle")
+    p.add_argument("--routing", help=f"ensembles only: {', '.join(ROUTINGS)} (default {DEFAULT_ROUTING}; "
+                                     "oracle and threshold:P are older names of ancestral and nucleus:P)")
     p.add_argument("--max-loaded", type=int, help="ensembles only: keep at most this many experts in memory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_sample)

@@ -63,9 +63,14 @@ def save_side_by_side(pictures: dict, path: Path, title: str = "") -> Path:
 
 
 def save_curve(x, y, path: Path, xlabel: str, ylabel: str, title: str = "") -> Path:
-    """One line plot, e.g. a router's accuracy against t."""
+    """A line plot against x, e.g. a router's accuracy against t; `y` is one sequence, or {name: sequence} for
+    several lines with a legend."""
+    lines = y if isinstance(y, dict) else {"": y}
     fig, ax = _pyplot().subplots(figsize=(5, 3.5), dpi=100)
-    ax.plot(x, y, marker="o")
+    for name, values in lines.items():
+        ax.plot(x, values, marker="o", label=name or None)
+    if len(lines) > 1:
+        ax.legend(fontsize=8)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1.02)

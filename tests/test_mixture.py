@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from islands.data.gmm import GaussianMixture
-from islands.ddm.ensemble import oracle_clusters
+from islands.ddm.ensemble import ancestral_clusters
 from islands.ddm.mixture import ExpertSlot, Mixture, PriorRouter, Routing, parse_routing
 from islands.flow.samplers import evaluations_per_sample, sample
 
@@ -127,13 +127,14 @@ def test_full_mixture_of_cluster_experts_is_the_data_velocity():
 PROBS = torch.tensor([[0.6, 0.25, 0.1, 0.05], [0.03, 0.55, 0.4, 0.02], [0.05, 0.04, 0.46, 0.45], [0.0, 0.0, 0.0, 1.0],
                       [0.5, 0.25, 0.125, 0.125]], dtype=torch.float64)
 # The experts each policy must select for each row of PROBS, worked out by hand. An expert of probability zero is
-# never selected; threshold:P keeps the smallest set reaching P (0.5 + 0.25 reaches 0.75 exactly).
+# never selected; nucleus:P keeps the smallest set reaching P (0.5 + 0.25 reaches 0.75 exactly).
 SELECTIONS = {
     "full": [{0, 1, 2, 3}, {0, 1, 2, 3}, {0, 1, 2, 3}, {3}, {0, 1, 2, 3}],
     "top1": [{0}, {1}, {2}, {3}, {0}],
     "topk:2": [{0, 1}, {1, 2}, {2, 3}, {3}, {0, 1}],
-    "threshold:0.9": [{0, 1, 2}, {1, 2}, {2, 3}, {3}, {0, 1, 2, 3}],
-    "threshold:0.75": [{0, 1}, {1, 2}, {2, 3}, {3}, {0, 1}],
+    "nucleus:0.9": [{0, 1, 2}, {1, 2}, {2, 3}, {3}, {0, 1, 2, 3}],
+    "nucleus:0.75": [{0, 1}, {1, 2}, {2, 3}, {3}, {0, 1}],
+    "nucleus:1": [{0, 1, 2, 3}, {0, 1, 2, 3}, {0, 1, 2, 3}, {3}, {0, 1, 2, 3}],
 }
 
 
@@ -155,12 +156,12 @@ def test_policies_select_the_right_experts_and_renormalise(routing):
         assert torch.allclose(out[i], (w / w.sum()) @ velocities[i], atol=1e-12), (routing, i)
 
 
-@pytest.mark.parametrize("routing", ["full", "top1", "topk:3", "threshold:0.99", "sample", "oracle"])
+@pytest.mark.parametrize("routing", ["full", "top1", "topk:3", "nucleus:0.99", "sample", "ancestral"])
 def test_one_hot_router_gives_the_selected_expert(routing):
     labels = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(2))
     slots, _, _ = eager_slots()
     mixture = Mixture(slots, table_router(torch.nn.functional.one_hot(labels, 4).double()), routing=routing)
-    if routing == "oracle":
+    if mixture.routing.needs_assignment:
         mixture.assign(labels)
     x, t = torch.randn(64, 2, dtype=torch.float64), torch.rand(64, dtype=torch.float64)
     expected = exact_components(x, t)[torch.arange(64), labels]
@@ -229,9 +230,9 @@ def test_missing_expert_is_routed_around_with_one_warning():
         out = stranded(x[:8], t[:8])
     assert torch.allclose(out, exact_components(x[:8], t[:8])[:, [0, 2, 3]].mean(1), atol=1e-12)
 
-    oracle = Mixture(slots, None, routing="oracle")
+    ancestral = Mixture(slots, None, routing="ancestral")
     with pytest.raises(ValueError, match="expert1"):
-        oracle.assign(torch.tensor([0, 1, 2, 3]))
+        ancestral.assign(torch.tensor([0, 1, 2, 3]))
 
 
 def test_no_available_expert_is_an_error():
@@ -245,7 +246,7 @@ def _mode_masses(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return modes, torch.bincount(modes, minlength=4).double() / x.shape[0]
 
 
-@pytest.mark.parametrize("routing", ["full", "top1", "oracle"])
+@pytest.mark.parametrize("routing", ["full", "top1", "ancestral"])
 def test_sampling_with_exact_experts_covers_every_mode(routing):
     n, steps = 4000, 32
     noise = torch.randn(n, 2, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
@@ -253,7 +254,7 @@ def test_sampling_with_exact_experts_covers_every_mode(routing):
     mixture = Mixture(slots, exact_router, routing=routing)
     counts = (torch.tensor(WEIGHTS) * n).round().long()
     clusters = torch.repeat_interleave(torch.arange(4), counts)
-    if routing == "oracle":
+    if routing == "ancestral":
         mixture.assign(clusters)
     x = sample(mixture, noise, steps=steps, solver="heun")
     modes, masses = _mode_masses(x)
@@ -263,9 +264,55 @@ def test_sampling_with_exact_experts_covers_every_mode(routing):
         assert mixture.calls_per_sample(n) <= 4 * evaluations_per_sample("heun", steps)
     else:
         assert mixture.calls_per_sample(n) == evaluations_per_sample("heun", steps)
-    if routing == "oracle":
+    if routing == "ancestral":
         assert torch.allclose(masses, DATA.weights, atol=0.03), masses
         assert (modes == clusters).double().mean() > 0.99  # each sample ends in its assigned cluster
+
+
+def test_nucleus_with_p_one_is_full_routing():
+    x, t = noisy_points(2000, seed=9)
+    full = Mixture(eager_slots()[0], exact_router, routing="full")(x, t)
+    assert torch.equal(Mixture(eager_slots()[0], exact_router, routing="nucleus:1")(x, t), full)
+
+
+def test_ancestral_then_topk_switches_to_the_router_at_its_time():
+    """Above the switch each sample keeps its assigned expert; at and below it, the router's top-2 (PROBS' rows)."""
+    slots, _, _ = eager_slots()
+    mixture = Mixture(slots, table_router(PROBS), routing="ancestral_then:topk:2@0.4")
+    assigned = torch.tensor([3, 3, 0, 1, 2])
+    mixture.assign(assigned)
+    x = torch.randn(5, 2, dtype=torch.float64)
+    components = exact_components(x, torch.full((5,), 0.5, dtype=torch.float64))
+    early = mixture(x, torch.full((5,), 0.5, dtype=torch.float64))
+    assert torch.equal(early, components[torch.arange(5), assigned])
+    # samples 1, 2 and 4 are past the switch: the router is asked about them alone
+    t = torch.tensor([0.41, 0.4, 0.3, 0.9, 0.1], dtype=torch.float64)
+    table = Mixture(slots, table_router(PROBS[[1, 2, 4]]), routing="topk:2")(x[[1, 2, 4]], t[[1, 2, 4]])
+    hybrid = Mixture(slots, table_router(PROBS[[1, 2, 4]]), routing="ancestral_then:topk:2@0.4")
+    hybrid.assign(assigned)
+    out = hybrid(x, t)
+    own = exact_components(x, t)[torch.arange(5), assigned]
+    assert torch.equal(out[[0, 3]], own[[0, 3]]) and torch.allclose(out[[1, 2, 4]], table, atol=1e-12)
+
+
+@pytest.mark.parametrize("conditional", [False, True])
+def test_ancestral_sampling_of_exact_experts_reproduces_unequal_mode_masses(conditional):
+    """p(x) = sum_k pi_k p_k(x): drawing the expert once per sample from pi (or from p(cluster | class)) and keeping
+    it is exact. Mode masses within 4 standard errors of the weights (samples drawn per class when conditional)."""
+    n, steps = 8000, 24
+    manifest = {"prior": WEIGHTS, "prior_by_class": [[0.7, 0.0, 0.3, 0.0], [0.0, 0.1, 0.0, 0.9]]}
+    labels = torch.arange(n) % 2 if conditional else None
+    clusters = ancestral_clusters(manifest, seed=3, first=0, num=n, labels=labels)
+    mixture = Mixture(eager_slots()[0], None, routing="ancestral")
+    mixture.assign(clusters)
+    noise = torch.randn(n, 2, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    modes, _ = _mode_masses(sample(mixture, noise, steps=steps, solver="heun"))
+    groups = [(labels == c, torch.tensor(manifest["prior_by_class"][c])) for c in range(2)] if conditional else \
+        [(torch.ones(n, dtype=torch.bool), DATA.weights)]
+    for rows, weights in groups:
+        masses = torch.bincount(modes[rows], minlength=4).double() / rows.sum()
+        se = (weights * (1 - weights) / rows.sum()).sqrt()
+        assert ((masses - weights).abs() <= 4 * se + 1e-3).all(), (masses, weights)
 
 
 def test_sample_routing_draws_by_the_probabilities_reproducibly():
@@ -289,15 +336,20 @@ def test_sample_routing_draws_by_the_probabilities_reproducibly():
 # --- the policy's spelling and misuse ----------------------------------------------------------------------------
 def test_parse_routing():
     assert parse_routing("full") == Routing("full")
-    assert parse_routing() == parse_routing("top1") == Routing("topk", top_k=1)
+    assert parse_routing() == parse_routing("ancestral") == parse_routing("oracle") == Routing("ancestral")
+    assert parse_routing("top1") == Routing("topk", top_k=1)
     assert parse_routing("topk:3") == Routing("topk", top_k=3)
-    assert parse_routing("threshold:0.9") == Routing("threshold", threshold=0.9)
-    assert parse_routing("threshold:1") == Routing("threshold", threshold=1.0)
-    assert parse_routing("sample") == Routing("sample") and parse_routing("oracle") == Routing("oracle")
+    assert parse_routing("nucleus:0.9") == parse_routing("threshold:0.9") == Routing("nucleus", p=0.9)
+    assert parse_routing("nucleus:1") == Routing("nucleus", p=1.0)
+    assert parse_routing("sample") == Routing("sample")
+    assert parse_routing("ancestral_then:topk:2@0.3") == Routing("ancestral_then", top_k=2, switch=0.3)
+    assert parse_routing("ancestral_then:top1@0.5") == Routing("ancestral_then", top_k=1, switch=0.5)
 
 
-@pytest.mark.parametrize("spec", ["topk:0", "topk:", "topk:-1", "topk:two", "threshold:0", "threshold:1.5",
-                                  "threshold:nan", "threshold", "top1:2", "full:1", "best", ""])
+@pytest.mark.parametrize("spec", ["topk:0", "topk:", "topk:-1", "topk:two", "nucleus:0", "nucleus:1.5",
+                                  "nucleus:nan", "threshold", "top1:2", "full:1", "best", "",
+                                  "ancestral_then:topk:2", "ancestral_then:full@0.5", "ancestral_then:topk:2@1",
+                                  "ancestral_then:topk:2@x", "ancestral_then:ancestral@0.5"])
 def test_parse_routing_rejects_bad_specs(spec):
     with pytest.raises(ValueError, match=re.escape(f"--routing: {spec!r}")):
         parse_routing(spec)
@@ -309,24 +361,26 @@ def test_misuse_is_reported():
         Mixture(slots, exact_router, routing="topk:5")
     with pytest.raises(ValueError, match="needs a router"):
         Mixture(slots, None, routing="top1")
-    with pytest.raises(ValueError, match="oracle"):
+    with pytest.raises(ValueError, match="ancestral"):
         Mixture(slots, exact_router, routing="top1").assign(torch.tensor([0, 1]))
-    oracle = Mixture(slots, None, routing="oracle")
+    with pytest.raises(ValueError, match="needs a router"):
+        Mixture(slots, None, routing="ancestral_then:top1@0.5")
+    ancestral = Mixture(slots, None, routing="ancestral")
     x, t = torch.randn(4, 2, dtype=torch.float64), torch.rand(4, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="assign"):
-        oracle(x, t)
-    oracle.assign(torch.tensor([0, 1, 2]))
+        ancestral(x, t)
+    ancestral.assign(torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="batch of 4"):
-        oracle(x, t)
+        ancestral(x, t)
     with pytest.raises(ValueError, match="shape"):
         Mixture(slots, table_router(PROBS[:, :3]), routing="full")(x, t)
 
 
-def test_oracle_draws_a_conditional_sample_from_the_clusters_of_its_class():
+def test_ancestral_routing_draws_a_conditional_sample_from_the_clusters_of_its_class():
     manifest = {"prior": [0.5, 0.3, 0.2], "prior_by_class": [[0.0, 1.0, 0.0], [0.25, 0.0, 0.75]]}
     n = 30_000
     labels = torch.arange(n) % 3  # 2 = no label (2 classes)
-    drawn = oracle_clusters(manifest, seed=0, first=0, num=n, labels=labels)
+    drawn = ancestral_clusters(manifest, seed=0, first=0, num=n, labels=labels)
 
     def share(c):
         return torch.bincount(drawn[labels == c], minlength=3).double() / (labels == c).sum()
@@ -336,7 +390,7 @@ def test_oracle_draws_a_conditional_sample_from_the_clusters_of_its_class():
     assert torch.allclose(share(1), torch.tensor([0.25, 0.0, 0.75], dtype=torch.float64), atol=0.02)
     assert torch.allclose(share(2), torch.tensor(manifest["prior"], dtype=torch.float64), atol=0.02)
     # sample i's draw is its own, whatever batch it comes in
-    assert torch.equal(oracle_clusters(manifest, 0, 100, 50, labels[100:150]), drawn[100:150])
+    assert torch.equal(ancestral_clusters(manifest, 0, 100, 50, labels[100:150]), drawn[100:150])
     # unconditional samples (or a partition without classes) draw from the cluster sizes
-    sizes = torch.bincount(oracle_clusters(manifest, 0, 0, n), minlength=3).double() / n
+    sizes = torch.bincount(ancestral_clusters(manifest, 0, 0, n), minlength=3).double() / n
     assert torch.allclose(sizes, torch.tensor(manifest["prior"], dtype=torch.float64), atol=0.02)

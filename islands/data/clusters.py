@@ -1,6 +1,7 @@
 """A data set seen through a partition: one cluster of it (an expert's data), or all of it labelled with
 each example's cluster (the router's data). The partition folder is written by `islands partition`."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,24 @@ def read_clusters(partition_dir: str | Path, num_examples: int) -> np.ndarray:
     if cluster.shape != (num_examples,):
         raise DataError(f"partition {path} assigns {cluster.shape[0]} examples, the data has {num_examples}")
     return cluster
+
+
+def read_prior_table(partition_dir: str | Path, num_classes: int) -> torch.Tensor:
+    """p(cluster | class) from partition.json, (num_classes + 1, K) float64; the last row is p(cluster), the
+    cluster sizes, for samples without a class (and for a class the partition never saw)."""
+    path = Path(partition_dir) / "partition.json"
+    try:
+        meta = json.loads(path.read_text())
+        sizes = torch.tensor(meta["sizes"], dtype=torch.float64)
+        by_class = meta.get("sizes_by_class") if num_classes else None
+        rows = torch.tensor(by_class, dtype=torch.float64) if by_class else sizes.expand(num_classes, -1)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"cannot read partition {path}: {err}; run 'islands partition' first") from None
+    if rows.shape != (num_classes, len(sizes)):
+        raise DataError(f"partition {path} counts {rows.shape[0]} classes, the model has {num_classes}")
+    table = torch.cat([rows, sizes.unsqueeze(0)])
+    totals = table.sum(1, keepdim=True)
+    return torch.where(totals > 0, table / totals.clamp_min(1), sizes / sizes.sum())
 
 
 class ClusterSubset(Source):
@@ -54,3 +73,4 @@ class ClusterLabelled(Source):
         x, y = self.source.get(indices)
         k = self.cluster[torch.as_tensor(np.asarray(indices, dtype=np.int64))]
         return x, k if y is None else y * self.num_clusters + k
+

@@ -17,7 +17,7 @@ import yaml
 from safetensors import SafetensorError, safe_open
 
 from islands.config import Config, to_dict, validate
-from islands.ddm.mixture import ExpertSlot, Mixture, PriorRouter
+from islands.ddm.mixture import DEFAULT_ROUTING, ExpertSlot, Mixture, PriorRouter, parse_routing
 from islands.ddm.runs import ensemble_dir, expert_dir, partition_dir, router_dir
 from islands.errors import IslandsWarning
 from islands.flow.denoiser import NetworkDenoiser
@@ -62,7 +62,7 @@ def write_manifest(cfg: Config) -> dict:
     prior = [s / sum(sizes) for s in sizes]
     manifest = {"k": cfg.ddm.k, "prior": prior, "partition": partition.get("method"),
                 "experts": experts, "router": _entry(root, router_dir(cfg), "router")}
-    if partition.get("sizes_by_class"):  # p(cluster | class), for oracle routing of class-conditional samples
+    if partition.get("sizes_by_class"):  # p(cluster | class), for ancestral routing of class-conditional samples
         manifest["prior_by_class"] = [[c / sum(row) for c in row] if sum(row) else prior
                                       for row in partition["sizes_by_class"]]
     tmp = root / f".{MANIFEST}.tmp"
@@ -97,16 +97,24 @@ def _verified(root: Path, entry: dict) -> tuple[Path | None, str]:
     return path, ""
 
 
-def _network(entry: dict, path: Path, device) -> torch.nn.Module:
+def _network(entry: dict, weights: dict, device) -> torch.nn.Module:
     model_cfg = validate({"run_dir": ".", "model": entry["model"]}).model
-    return network_with_weights(model_cfg, tuple(entry["shape"]), entry["num_classes"], load_weights(path), device)
+    return network_with_weights(model_cfg, tuple(entry["shape"]), entry["num_classes"], weights, device)
 
 
 def _expert(entry: dict, path: Path, device) -> NetworkDenoiser:
     """An expert in the canonical frame, whatever path (and schedule) and prediction it was trained with. Manifests
     written before a path took options lack them: the path's defaults apply."""
     flow_path = build_path(entry["path"], **{key: entry[key] for key in PATH_OPTIONS if key in entry})
-    return NetworkDenoiser(_network(entry, path, device), flow_path, entry["prediction"])
+    return NetworkDenoiser(_network(entry, load_weights(path), device), flow_path, entry["prediction"])
+
+
+def _router_network(entry: dict, path: Path, device) -> torch.nn.Module:
+    weights = load_weights(path)
+    if "anchor.log_prior" not in weights:  # its logits were not anchored: read as anchored they would be wrong
+        raise CheckpointError(f"{path}: this router was trained before routers were anchored at the prior; "
+                              "retrain it: islands train ENSEMBLE/config.yaml router")
+    return _network(entry, weights, device)
 
 
 class LearnedRouter:
@@ -117,7 +125,7 @@ class LearnedRouter:
         return route(self.net, x, t, cond)
 
 
-def load_ensemble(root: Path, routing: str = "top1", max_loaded: int | None = None, seed: int = 0,
+def load_ensemble(root: Path, routing: str = DEFAULT_ROUTING, max_loaded: int | None = None, seed: int = 0,
                   device="cpu") -> tuple[Mixture, dict]:
     """The ensemble as one `Denoiser`: every file verified now, each expert's network built when first needed."""
     root = Path(root)
@@ -129,30 +137,47 @@ def load_ensemble(root: Path, routing: str = "top1", max_loaded: int | None = No
         slots.append(ExpertSlot(entry["name"], load, missing))
     if not any(slot.available for slot in slots):
         raise CheckpointError(f"{root}: no expert of the ensemble is available")
-    router_path, router_missing = _verified(root, manifest["router"])
-    if router_path is None and not routing.startswith("oracle"):  # oracle routing asks no router
-        warnings.warn(f"the router {router_missing}; routing by the cluster sizes alone", IslandsWarning, stacklevel=2)
-    router = (LearnedRouter(_network(manifest["router"], router_path, device)) if router_path is not None
-              else PriorRouter(manifest["prior"]))
+    router = None  # ancestral routing asks no router: it is not even read
+    if parse_routing(routing).needs_router:
+        router_path, router_missing = _verified(root, manifest["router"])
+        if router_path is None:
+            warnings.warn(f"the router {router_missing}; routing by the cluster sizes alone", IslandsWarning,
+                          stacklevel=2)
+        router = (LearnedRouter(_router_network(manifest["router"], router_path, device)) if router_path is not None
+                  else PriorRouter(manifest["prior"]))
     return Mixture(slots, router, routing=routing, max_loaded=max_loaded, seed=seed), manifest
 
 
-def oracle_clusters(manifest: dict, seed: int, first: int, num: int, labels: torch.Tensor | None = None):
+def ancestral_clusters(manifest: dict, seed: int, first: int, num: int, labels: torch.Tensor | None = None,
+                       available: torch.Tensor | None = None):
     """Sample i's cluster, drawn by its own stream (the same at any batch size) from the cluster sizes, or, for a
     class-conditional sample, from p(cluster | its class): a trouser must go to an expert that has seen trousers.
-    Label `num_classes` (no label) draws from the sizes."""
+    Label `num_classes` (no label) draws from the sizes. With `available` (K booleans), missing experts' shares
+    are given to the others in proportion (evenly where a class has nothing else)."""
     from islands.data import streams
 
+    # the stream keeps the name of the policy's first release, so earlier samples are drawn again exactly
     u = streams.uniform(seed, list(range(first, first + num)), "oracle").double()
     prior = torch.tensor(manifest["prior"], dtype=torch.float64).expand(num, -1)
     if labels is not None and manifest.get("prior_by_class"):
         table = torch.tensor(manifest["prior_by_class"] + [manifest["prior"]], dtype=torch.float64)
         prior = table[torch.as_tensor(labels, dtype=torch.long).cpu()]
+    if available is not None and not available.all():
+        prior = prior * available.double()
+        prior = torch.where(prior.sum(1, keepdim=True) > 0, prior, available.double().expand_as(prior))
     edges = prior.cumsum(1)
     drawn = torch.searchsorted(edges, (u * edges[:, -1]).unsqueeze(1), right=True).squeeze(1)
     return drawn.clamp(max=prior.shape[1] - 1)
 
 
-def oracle_preparation(mixture: Mixture, manifest: dict, seed: int):
-    """For `generate`: before each batch, fix every sample's expert as oracle routing draws it."""
-    return lambda lo, hi, labels: mixture.assign(oracle_clusters(manifest, seed, lo, hi - lo, labels))
+def ancestral_preparation(mixture: Mixture, manifest: dict, seed: int):
+    """For `generate`: before each batch, fix every sample's expert as ancestral routing draws it, around missing
+    experts (None when the policy needs no assignment)."""
+    if not mixture.routing.needs_assignment:
+        return None
+
+    def prepare(lo, hi, labels):
+        mixture.warn_missing()
+        mixture.assign(ancestral_clusters(manifest, seed, lo, hi - lo, labels, mixture.available))
+
+    return prepare

@@ -23,7 +23,9 @@ from torch import Tensor, nn
 from islands.errors import IslandsWarning
 from islands.flow.denoiser import Denoiser, broadcast
 
-ROUTINGS = ("full", "top1", "topk:K", "threshold:P", "sample", "oracle")
+ROUTINGS = ("ancestral", "full", "top1", "topk:K", "nucleus:P", "sample", "ancestral_then:topk:K@T")
+ALIASES = {"oracle": "ancestral", "threshold": "nucleus"}  # the names of earlier releases
+DEFAULT_ROUTING = "ancestral"  # the best of the measured policies (docs/BENCHMARKS.md, ddm_gmm and ddm_fashion)
 
 
 @dataclass(frozen=True)
@@ -61,30 +63,56 @@ class PriorRouter:
 
 @dataclass(frozen=True)
 class Routing:
-    """A parsed routing policy: full, topk (top1 is topk with top_k = 1), threshold, sample or oracle."""
+    """A parsed routing policy.
+
+    ancestral: each sample's expert is drawn once, from p(cluster | condition), and kept from noise to data: exact
+        ancestral sampling of p(x) = sum_k p(k) p_k(x), no router needed. full: every expert, weighted by the
+        router. topk (top1 is top_k = 1): the router's k likeliest, renormalised. nucleus: the smallest set whose
+        router probability reaches `p` (top-p). sample: one expert per call, drawn from the router.
+        ancestral_then: the ancestral expert while t > `switch`, the router's top_k after.
+    """
 
     policy: str
     top_k: int = 1
-    threshold: float = 1.0
+    p: float = 1.0
+    switch: float = 0.0
+
+    @property
+    def needs_assignment(self) -> bool:  # each sample's ancestral expert, from `Mixture.assign`
+        return self.policy in ("ancestral", "ancestral_then")
+
+    @property
+    def needs_router(self) -> bool:
+        return self.policy != "ancestral"
 
 
-def parse_routing(spec: str = "top1") -> Routing:
-    """Parse "full", "top1", "topk:K", "threshold:P", "sample" or "oracle"."""
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")  # rejected by the range checks
+
+
+def parse_routing(spec: str = DEFAULT_ROUTING) -> Routing:
+    """Parse a policy of ROUTINGS (or an alias: oracle = ancestral, threshold:P = nucleus:P)."""
     name, colon, arg = spec.partition(":")
-    if name in ("full", "top1", "sample", "oracle") and not colon:
+    name = ALIASES.get(name, name)
+    if name in ("full", "top1", "sample", "ancestral") and not colon:
         return Routing("topk") if name == "top1" else Routing(name)
     if name == "topk" and arg.isdecimal() and int(arg) >= 1:
         return Routing("topk", top_k=int(arg))
-    if name == "threshold":
+    if name == "nucleus" and 0 < _number(arg) <= 1:
+        return Routing("nucleus", p=_number(arg))
+    late, at, switch = arg.rpartition("@")
+    if name == "ancestral_then" and at and 0 < _number(switch) < 1:
         try:
-            threshold = float(arg)
+            after = parse_routing(late)
         except ValueError:
-            threshold = 0.0  # not a number: rejected below
-        if 0 < threshold <= 1:
-            return Routing("threshold", threshold=threshold)
-    raise ValueError(
-        f"--routing: {spec!r} is not a routing policy; choose from {', '.join(ROUTINGS)} (K >= 1, 0 < P <= 1)"
-    )
+            after = None
+        if after is not None and after.policy == "topk":
+            return Routing("ancestral_then", top_k=after.top_k, switch=_number(switch))
+    raise ValueError(f"--routing: {spec!r} is not a routing policy; choose from {', '.join(ROUTINGS)} "
+                     "(K >= 1, 0 < P <= 1, 0 < T < 1)")
 
 
 class Mixture(nn.Module):
@@ -101,7 +129,7 @@ class Mixture(nn.Module):
         self,
         experts: list[ExpertSlot],
         router: Router | None,
-        routing: str | Routing = "top1",
+        routing: str | Routing = DEFAULT_ROUTING,
         max_loaded: int | None = None,
         seed: int = 0,
     ):
@@ -112,14 +140,14 @@ class Mixture(nn.Module):
             raise ValueError(f"no expert is available among {[slot.name for slot in self.slots]}")
         if self.routing.top_k > len(self.slots):
             raise ValueError(f"--routing: 'topk:{self.routing.top_k}' selects more than the {len(self.slots)} experts")
-        if router is None and self.routing.policy != "oracle":
+        if router is None and self.routing.needs_router:
             raise ValueError(f"routing {self.routing.policy!r} needs a router")
         if max_loaded is not None and max_loaded < 1:
             raise ValueError(f"max_loaded must be >= 1 or None, got {max_loaded}")
         self.router = router
         self.max_loaded = max_loaded
         self.generator = torch.Generator().manual_seed(seed)
-        self._available = torch.tensor([slot.available for slot in self.slots])
+        self.available = torch.tensor([slot.available for slot in self.slots])
         self._loaded: OrderedDict[int, Denoiser] = OrderedDict()  # least recently used first
         self._assigned: Tensor | None = None
         self._warned_missing = False
@@ -145,15 +173,15 @@ class Mixture(nn.Module):
         return [slot.name for slot in self.slots if not slot.available]
 
     def assign(self, clusters: Tensor) -> None:
-        """Oracle routing: the expert of each sample of the batch, for all following calls."""
-        if self.routing.policy != "oracle":
-            raise ValueError(f"assign() is for oracle routing, not {self.routing.policy!r}")
+        """Ancestral routing: the expert of each sample of the batch, for all following calls."""
+        if not self.routing.needs_assignment:
+            raise ValueError(f"assign() is for ancestral routing, not {self.routing.policy!r}")
         clusters = torch.as_tensor(clusters, dtype=torch.long)
         if clusters.dim() != 1 or (clusters < 0).any() or (clusters >= len(self.slots)).any():
             raise ValueError(f"clusters must be a vector of expert indices in [0, {len(self.slots)})")
         missing = sorted({self.slots[k].name for k in clusters.unique().tolist() if not self.slots[k].available})
         if missing:
-            raise ValueError(f"oracle routing assigns samples to missing experts {missing}")
+            raise ValueError(f"ancestral routing assigns samples to missing experts {missing}")
         self._assigned = clusters
 
     # --- the velocity -----------------------------------------------------------------------------
@@ -179,45 +207,61 @@ class Mixture(nn.Module):
     def _weights(self, x: Tensor, t: Tensor, cond: Tensor | None) -> Tensor:
         """Per-sample weights of the selected experts, float64 (B, K)."""
         batch, num = x.shape[0], len(self.slots)
-        if self.routing.policy == "oracle":
+        if self.routing.needs_assignment:
             if self._assigned is None:
-                raise RuntimeError("oracle routing: call assign(clusters) before sampling")
+                raise RuntimeError("ancestral routing: call assign(clusters) before sampling")
             if self._assigned.shape[0] != batch:
-                raise ValueError(f"oracle routing: {self._assigned.shape[0]} clusters assigned, batch of {batch}")
-            return nn.functional.one_hot(self._assigned.to(x.device), num).double()
+                raise ValueError(f"ancestral routing: {self._assigned.shape[0]} clusters assigned, batch of {batch}")
+            ancestral = nn.functional.one_hot(self._assigned.to(x.device), num).double()
+            if self.routing.policy == "ancestral":
+                return ancestral
+            late = t <= self.routing.switch  # ancestral_then: the router takes over from t = switch
+            if not late.any():
+                return ancestral
+            ancestral[late] = self._routed(x[late], t[late], None if cond is None else cond[late])
+            return ancestral
+        return self._routed(x, t, cond)
+
+    def _routed(self, x: Tensor, t: Tensor, cond: Tensor | None) -> Tensor:
+        """The weights the router's probabilities give under the policy, float64 (B, K)."""
+        batch, num = x.shape[0], len(self.slots)
         probs = self.router(x, t, cond).double()
         if probs.shape != (batch, num):
             raise ValueError(f"the router returned shape {tuple(probs.shape)}, expected {(batch, num)}")
         probs = self._without_missing(probs)
-        if self.routing.policy == "full":
-            return probs
+        if self.routing.policy == "full" or (self.routing.policy == "nucleus" and self.routing.p >= 1):
+            return probs  # top-p with p = 1 keeps every expert: full routing, without rounding in the cumulative sum
         if self.routing.policy == "sample":
             drawn = torch.multinomial(probs.cpu(), 1, generator=self.generator).squeeze(1)
             return nn.functional.one_hot(drawn.to(x.device), num).double()
-        if self.routing.policy == "topk":
+        if self.routing.policy in ("topk", "ancestral_then"):
             keep = torch.zeros_like(probs, dtype=torch.bool)
             keep.scatter_(1, probs.topk(self.routing.top_k, dim=1).indices, True)
-        else:  # threshold: the smallest set whose probabilities reach P (nucleus)
+        else:  # nucleus: the smallest set whose probabilities reach p
             sorted_probs, indices = probs.sort(dim=1, descending=True)
             mass_before = sorted_probs.cumsum(1) - sorted_probs
-            keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, indices, mass_before < self.routing.threshold)
+            keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, indices, mass_before < self.routing.p)
         chosen = probs * keep
         return chosen / chosen.sum(1, keepdim=True)
 
     def _without_missing(self, probs: Tensor) -> Tensor:
         """The router's probabilities restricted to the available experts (uniform where none is left)."""
-        available = self._available.to(device=probs.device, dtype=probs.dtype)
+        available = self.available.to(device=probs.device, dtype=probs.dtype)
         if available.all():
             return probs
-        if not self._warned_missing:
-            for slot in self.slots:
-                if not slot.available:
-                    warnings.warn(f"{slot.name} {slot.missing}; routing around it", IslandsWarning, stacklevel=2)
-            self._warned_missing = True
+        self.warn_missing()
         probs = probs * available
         total = probs.sum(1, keepdim=True)
         uniform = available / available.sum()
         return torch.where(total > 0, probs / total.clamp_min(1e-300), uniform)
+
+    def warn_missing(self) -> None:
+        """One warning per missing expert, the first time the mixture routes around it."""
+        if not self._warned_missing:
+            for slot in self.slots:
+                if not slot.available:
+                    warnings.warn(f"{slot.name} {slot.missing}; routing around it", IslandsWarning, stacklevel=3)
+            self._warned_missing = True
 
     def _expert(self, k: int) -> Denoiser:
         """Expert k, loaded if need be, dropping the least recently used beyond `max_loaded`."""

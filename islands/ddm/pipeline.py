@@ -13,8 +13,9 @@ from pathlib import Path
 
 from islands.config import Config, ConfigError, revalidate
 from islands.data import build_data
-from islands.ddm.ensemble import load_ensemble, oracle_preparation, write_manifest
+from islands.ddm.ensemble import ancestral_preparation, load_ensemble, write_manifest
 from islands.ddm.members import Member, run_members
+from islands.ddm.mixture import DEFAULT_ROUTING
 from islands.ddm.partition import Partition, partition, save_cluster_picture
 from islands.ddm.runs import (
     ensemble_dir,
@@ -113,14 +114,19 @@ def train_members(cfg: Config, jobs: int = 1, progress: bool = True) -> None:
             run_members(root, [monolith], cores, progress)
 
 
-def sample_and_evaluate(cfg: Config, routing: str = "top1", progress: bool = True) -> dict:
+def picture_name(routing: str) -> str:
+    """A file name for a policy's sample grid: ancestral_then:topk:2@0.5 -> ancestral_then-topk-2-at-0.5."""
+    return routing.replace(":", "-").replace("@", "-at-")
+
+
+def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: bool = True) -> dict:
     """The ensemble's sample grid and its metrics against the whole data set (ENSEMBLE/metrics.json)."""
     root = ensemble_dir(cfg)
     mixture, manifest = load_ensemble(root, routing, seed=cfg.seed)
     shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)
     num_classes = cfg.model.num_classes
-    # oracle: each sample keeps one expert, drawn by its own stream from p(cluster | class) or the cluster sizes
-    prepare = oracle_preparation(mixture, manifest, cfg.seed) if routing == "oracle" else None
+    # ancestral: each sample keeps one expert, drawn by its own stream from p(cluster | class) or the cluster sizes
+    prepare = ancestral_preparation(mixture, manifest, cfg.seed)
     source = whole_data(cfg)
     evaluator = Evaluator(source, cfg.eval, cfg.seed, progress)
     mixture.reset_counts()
@@ -131,13 +137,13 @@ def sample_and_evaluate(cfg: Config, routing: str = "top1", progress: bool = Tru
         sampling["evaluations"] = mixture.evaluations  # before the metrics call the mixture themselves
 
     batches = generated(mixture, shape, cfg.eval.num, cfg.sample, cfg.seed, num_classes, progress, prepare)
-    # the velocity error needs a field of (x, t); oracle routing is one only along each sample's own path
-    result = evaluator(counted(batches), None if routing == "oracle" else mixture)
+    # the velocity error needs a field of (x, t); ancestral routing is one only along each sample's own path
+    result = evaluator(counted(batches), None if mixture.routing.needs_assignment else mixture)
     result["seconds_per_sample"] = sampling["seconds"] / cfg.eval.num
     result["expert_evaluations_per_sample"] = sampling["evaluations"] / cfg.eval.num
     grid = next(generated(mixture, shape, min(64, cfg.sample.num), cfg.sample, cfg.seed, num_classes,
                           prepare=prepare))[0]
-    save_samples_picture(grid, root / "samples" / f"{routing}.png", source.get(list(range(2000)))[0]
+    save_samples_picture(grid, root / "samples" / f"{picture_name(routing)}.png", source.get(list(range(2000)))[0]
                          if len(shape) == 1 else None, f"ensemble, {routing} routing")
     key = (f"ensemble routing={routing} num={cfg.eval.num} steps={cfg.sample.steps} solver={cfg.sample.solver} "
            f"precision={cfg.sample.precision}")
@@ -164,7 +170,7 @@ def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) ->
     ensemble = {**ensemble, "training_flops": ensemble_training_flops(cfg)}
     monolith["training_flops"] = training_flops(Path(mono.run_dir))
     num = min(64, cfg.sample.num)
-    grids = {"ensemble (top-1)": root / "samples" / "top1.png"}
+    grids = {f"ensemble ({DEFAULT_ROUTING})": root / "samples" / f"{picture_name(DEFAULT_ROUTING)}.png"}
     mono_grid = next(generated(denoiser, shape, num, cfg.sample, cfg.seed, cfg.model.num_classes))[0]
     grids["monolith"] = save_samples_picture(mono_grid, root / "samples" / "monolith.png",
                                              source.get(list(range(2000)))[0] if len(shape) == 1 else None)
@@ -195,7 +201,7 @@ def build_ensemble(cfg: Config, jobs: int = 1, progress: bool = True) -> dict:
 
 def run_ddm(cfg: Config, jobs: int = 1, progress: bool = True) -> dict:
     build_ensemble(cfg, jobs, progress)
-    result = sample_and_evaluate(cfg, "top1", progress)
+    result = sample_and_evaluate(cfg, DEFAULT_ROUTING, progress)
     if cfg.ddm.monolith:
         table = compare_with_monolith(cfg, result, progress)
         print(format_comparison(table))

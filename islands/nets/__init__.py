@@ -5,7 +5,7 @@ from torch import nn
 from islands.config import ConfigError
 from islands.nets.dit import DIT_PRESETS, DiT
 from islands.nets.mlp import MLP
-from islands.nets.router import TransformerRouter, mlp_router
+from islands.nets.router import MLPRouter, TransformerRouter
 from islands.nets.unet import UNet
 
 
@@ -14,7 +14,7 @@ def build_network(cfg, shape: tuple[int, ...], num_classes: int) -> nn.Module:
     if cfg.arch == "router":
         try:
             if len(shape) == 1:
-                return mlp_router(shape[0], cfg.outputs, hidden=cfg.hidden, depth=cfg.depth or 4,
+                return MLPRouter(shape[0], cfg.outputs, hidden=cfg.hidden, depth=cfg.depth or 4,
                                   num_classes=num_classes)
             return TransformerRouter(shape[1], shape[0], cfg.outputs, patch_size=cfg.patch_size,
                                      hidden_size=cfg.hidden_size or 128, depth=cfg.depth or 4,

@@ -18,7 +18,9 @@ from tqdm import tqdm
 
 from islands.config import Config, ConfigError, to_dict, trajectory_changes
 from islands.data import ClusterLabelled, build_data, streams
+from islands.data.clusters import read_prior_table
 from islands.data.loader import stream_loader
+from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
 from islands.eval.evaluate import Evaluator, generated
 from islands.flow.denoiser import NetworkDenoiser
 from islands.flow.objectives import training_loss
@@ -162,6 +164,8 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
         (run_dir / "model.json").write_text(json.dumps({"shape": list(shape), "num_classes": num_classes}))
 
     net = build_network(cfg.model, shape, num_classes).to(device)
+    if cfg.train.objective == "router":  # its logits are anchored at the partition's p(cluster | class)
+        net.anchor.set_prior(read_prior_table(cfg.data.partition, num_classes))
     if cfg.train.activation_checkpointing:
         checkpoint_blocks(net)
     model = strategy.wrap(net)  # what the loop calls; `net` is the module whose parameters are optimized
@@ -176,7 +180,7 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
     else:
         from islands.ddm.ensemble import load_ensemble  # the outermost layer, needed by this objective only
 
-        routing = "oracle" if cfg.train.teacher == "cluster" else "full"
+        routing = "ancestral" if cfg.train.teacher == "cluster" else "full"
         teacher, _ = load_ensemble(Path(cfg.data.partition).parent, routing, seed=cfg.seed, device=device)
         objective = DistillObjective(cfg, num_classes, teacher, source.num_clusters)
 
@@ -236,16 +240,24 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
         order = torch.randperm(len(source), generator=streams.generator(cfg.seed, 0, "validation"))
         return source.get(order[:size].tolist())
 
+    exact_posterior = None
+
     def save_router_accuracy() -> None:
+        nonlocal exact_posterior
         plain = plain_copy()
         if not main:
             return
         x0, labels = fixed_probe(min(len(source), 2000))
-        report = {"images": state.images, **objective.accuracy_by_t(plain, x0.to(device), labels.to(device))}
+        if exact_posterior is None and len(source) * math.prod(shape) <= EXACT_POSTERIOR_LIMIT:
+            exact_posterior = exact_cluster_posterior(source, cfg.model.outputs, num_classes)
+        report = {"images": state.images, **objective.report_by_t(plain, x0.to(device), labels.to(device),
+                                                                  exact_posterior)}
         (run_dir / "router_accuracy.json").write_text(json.dumps(report, indent=1))
-        save_curve(report["t"], report["accuracy"], run_dir / "router_accuracy.png", "t (0 data, 1 noise)",
-                   "top-1 accuracy", f"router after {state.images} images; largest cluster "
-                   f"{report['majority_cluster_share']:.2f}")
+        curves = {"top-1 accuracy": report["accuracy"]}
+        if "tv" in report:
+            curves.update({"exact posterior's accuracy": report["exact_accuracy"], "TV to exact": report["tv"]})
+        save_curve(report["t"], curves, run_dir / "router_accuracy.png", "t (0 data, 1 noise)", "",
+                   f"router after {state.images} images; largest cluster {report['majority_cluster_share']:.2f}")
 
     def evaluate() -> None:
         nonlocal evaluator, probe

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from islands.data import streams
 from islands.flow.denoiser import broadcast
 
-ACCURACY_TIMES = 10  # bins of t for the accuracy report
+REPORT_TIMES = 10  # the t of the router's report: 0.05, 0.15, ..., 0.95
 
 
 def canonical_x_t(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -40,25 +40,52 @@ class RouterObjective:
         return F.cross_entropy(net(x_t, t, cls).float(), cluster, reduction="none")
 
     @torch.no_grad()
-    def accuracy_by_t(self, net, x0: torch.Tensor, labels: torch.Tensor) -> dict:
-        """Top-1 accuracy on fixed examples and noise at t = (b + 0.5) / ACCURACY_TIMES, with the class given."""
+    def report_by_t(self, net, x0: torch.Tensor, labels: torch.Tensor, exact=None) -> dict:
+        """Top-1 accuracy on fixed examples and noise at t = (b + 0.5) / REPORT_TIMES, with the class given; with
+        `exact` (the data's exact cluster posterior, islands.data.posterior), the router's calibration against it
+        at each t too."""
         noise = streams.normal(self.seed, list(range(len(x0))), tuple(x0.shape[1:]), "validation").to(x0)
         cluster, cls = self.split(labels)
-        times, accuracy = [], []
-        for b in range(ACCURACY_TIMES):
-            t = (b + 0.5) / ACCURACY_TIMES
-            logits = net((1 - t) * x0 + t * noise, torch.full((len(x0),), t, dtype=x0.dtype, device=x0.device), cls)
-            times.append(t)
-            accuracy.append((logits.argmax(1) == cluster).double().mean().item())
-        prior = torch.bincount(cluster, minlength=self.k).max().item() / len(cluster)
-        return {"t": times, "accuracy": accuracy, "majority_cluster_share": prior}
+        report = {"t": [], "accuracy": []}
+        for b in range(REPORT_TIMES):
+            t = torch.full((len(x0),), (b + 0.5) / REPORT_TIMES, dtype=x0.dtype, device=x0.device)
+            x_t = canonical_x_t(x0, noise, t)
+            probs = net(x_t, t, cls).float().softmax(1)
+            report["t"].append(t[0].item())
+            report["accuracy"].append((probs.argmax(1) == cluster).double().mean().item())
+            if exact is not None:
+                for name, value in calibration(probs, exact(x_t, t, cls), cluster).items():
+                    report.setdefault(name, []).append(value)
+        report["majority_cluster_share"] = torch.bincount(cluster, minlength=self.k).max().item() / len(cluster)
+        return report
+
+
+def calibration(probs: torch.Tensor, exact: torch.Tensor, clusters: torch.Tensor, bins: int = 10) -> dict:
+    """A router's probabilities (B, K) against the exact posterior (B, K) and the examples' true clusters (B,).
+
+    tv: mean total variation 0.5 sum_k |p - q|; kl: mean KL(exact || router) in nats; ece: the expected
+    calibration error of the top-1 prediction over `bins` equal-width confidence bins (Guo et al. 2017);
+    exact_accuracy: the top-1 accuracy of the exact posterior, the most any router can reach.
+    """
+    p, q = probs.double().cpu(), exact.double().cpu()
+    clusters = torch.as_tensor(clusters).cpu()
+    tv = 0.5 * (p - q).abs().sum(1).mean()
+    kl = torch.where(q > 0, q * (q.clamp_min(1e-300).log() - p.clamp_min(1e-300).log()), 0.0).sum(1).mean()
+    confidence, predicted = p.max(1)
+    correct = (predicted == clusters).double()
+    which = (confidence * bins).long().clamp(max=bins - 1)
+    ece = sum((correct[which == b].mean() - confidence[which == b].mean()).abs() * (which == b).double().mean()
+              for b in range(bins) if (which == b).any())
+    return {"tv": float(tv), "kl": float(kl), "ece": float(ece),
+            "exact_accuracy": float((q.argmax(1) == clusters).double().mean())}
 
 
 class DistillObjective:
     """Distillation of an ensemble into one student (McAllister et al. 2025): at x_t on the canonical path,
-    || v_student(x_t, t) - v_teacher(x_t, t) ||^2, where the teacher is the expert of the training image's
-    own cluster (oracle routing of the `Mixture`), or the routed mixture itself. Both see the same class
-    label, dropped to "none" at the student's label-dropout rate so the student also learns guidance."""
+    || v_student(x_t, t) - v_teacher(x_t, t) ||^2, where the teacher is the expert of the training image's own
+    cluster (ancestral routing of the `Mixture`, each image assigned its own cluster), or the routed mixture
+    itself. Both see the same class label, dropped to "none" at the student's label-dropout rate so the student
+    also learns guidance."""
 
     def __init__(self, cfg, num_classes: int, teacher, clusters: int):
         from islands.flow.denoiser import NetworkDenoiser
@@ -70,7 +97,7 @@ class DistillObjective:
         self.student = lambda net: NetworkDenoiser(net, self.path, self.prediction)
         self.times = TimeSampler(cfg.flow.time_sampler, *cfg.flow.t_range, cfg.flow.logit_mean, cfg.flow.logit_std)
         self.seed, self.num_classes, self.label_dropout = cfg.seed, num_classes, cfg.train.label_dropout
-        self.teacher, self.k, self.own_cluster = teacher, clusters, teacher.routing.policy == "oracle"
+        self.teacher, self.k, self.own_cluster = teacher, clusters, teacher.routing.policy == "ancestral"
 
     def __call__(self, net, x0: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         pos = positions.tolist()
