@@ -228,7 +228,10 @@ class RouterConfig(Section):
     num_heads: int = Field(4, gt=0)
     patch_size: int = Field(4, gt=0)
     hidden: int = Field(128, gt=0)  # vectors: a residual MLP
-    images: int = Field(20_000, gt=0)
+    # The router's budget: its training FLOPs as a share of the experts' (the paper's 4%), counted the way every
+    # run's flops.json is; `images` fixes its run length instead.
+    flops_fraction: float = Field(0.04, gt=0)
+    images: int | None = Field(None, gt=0)
     batch_size: int = Field(64, gt=0)
     lr: float = Field(5e-4, gt=0)
 

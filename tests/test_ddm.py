@@ -127,6 +127,21 @@ def test_experts_see_only_their_cluster_and_cost_what_the_monolith_costs(ensembl
     assert np.allclose(by_class[component_of_cluster(root), range(4)], 1.0)
 
 
+def test_the_router_budget_is_a_share_of_the_experts_flops(ensemble):
+    """Without ddm.router.images, the router trains for flops_fraction of what the experts cost, in whole batches:
+    checked against the flops.json every trained member wrote."""
+    cfg, root = ensemble
+    raw = to_dict(cfg)
+    raw["ddm"]["router"].update(images=None, flops_fraction=0.5)
+    images = router_config(validate(raw)).train.images
+    experts = sum(json.loads((root / "experts" / str(k) / "flops.json").read_text())["training_flops"]
+                  for k in range(4))
+    per_image = json.loads((root / "router" / "flops.json").read_text())["flops_per_image"]
+    assert images % 64 == 0 and images == pytest.approx(0.5 * experts / per_image, abs=64)
+    raw["ddm"]["router"].update(images=640)
+    assert router_config(validate(raw)).train.images == 640  # a fixed length, when given
+
+
 def test_the_trained_router_approaches_the_exact_posterior(ensemble):
     cfg, root = ensemble
     component = component_of_cluster(root)

@@ -75,11 +75,36 @@ def router_config(cfg: Config) -> Config:
     model = {"arch": "router", "num_classes": cfg.model.num_classes, "outputs": cfg.ddm.k, "depth": r.depth}
     model.update({"hidden": r.hidden} if cfg.model.arch == "mlp" else
                  {"hidden_size": r.hidden_size, "num_heads": r.num_heads, "patch_size": r.patch_size})
-    return _derived(cfg, router_dir(cfg), replace={"model": model, "eval": {}},
-                    data={"partition": str(partition_dir(cfg)), "cluster": None},
-                    train={"objective": "router", "images": r.images, "batch_size": r.batch_size, "lr": r.lr,
-                           "accumulate": 1, "warmup_images": 0, "ema_halflife_images": 0.0,
-                           "checkpoint_every": r.images, "sample_every": 0})
+    train = {"objective": "router", "batch_size": r.batch_size, "lr": r.lr, "accumulate": 1, "warmup_images": 0,
+             "ema_halflife_images": 0.0, "sample_every": 0}
+    router = _derived(cfg, router_dir(cfg), replace={"model": model, "eval": {}},
+                      data={"partition": str(partition_dir(cfg)), "cluster": None}, train={**train, "images": 1})
+    images = r.images or router_images(cfg, router)
+    return router.model_copy(update={"train": router.train.model_copy(update={"images": images,
+                                                                               "checkpoint_every": images})})
+
+
+def router_images(cfg: Config, router: Config) -> int:
+    """Whole batches of router training that cost `ddm.router.flops_fraction` of the experts' training FLOPs, both
+    counted on one step by torch's flop counter (islands.train.flops), from the configs alone: every island that
+    trains the router derives the same number before any expert has finished."""
+    from islands.data import build_data  # the data's shape and classes; loaded only when the budget is derived
+    from islands.train.flops import flops_per_image
+    from islands.train.loop import DiffusionObjective
+    from islands.train.router import RouterObjective
+
+    source = build_data(cfg.data.model_copy(update={"partition": None, "cluster": None}), cfg.seed)
+    shape, classes = tuple(source.shape), cfg.model.num_classes
+    experts = 0.0
+    for k in range(cfg.ddm.k):
+        e = expert_config(cfg, k)
+        micro = e.train.batch_size // e.train.accumulate
+        per_image = flops_per_image(e, shape, classes, DiffusionObjective(e, classes), micro)
+        experts += per_image * e.train.images
+    objective = RouterObjective(cfg.seed, cfg.ddm.k, classes, cfg.train.label_dropout)
+    per_image = flops_per_image(router, shape, classes, objective, router.train.batch_size)
+    batches = max(1, round(cfg.ddm.router.flops_fraction * experts / per_image / router.train.batch_size))
+    return batches * router.train.batch_size
 
 
 def monolith_dir(cfg: Config) -> Path:
