@@ -232,6 +232,10 @@ class RouterConfig(Section):
     # run's flops.json is; `images` fixes its run length instead.
     flops_fraction: float = Field(0.04, gt=0)
     images: int | None = Field(None, gt=0)
+    # EMA of the router's weights, its half-life a share of the router's images. Without it a router trained at
+    # a constant rate ends on noisy weights: on a 2-D mixture full routing's mode-mass error fell from 0.055 to
+    # 0.024 with 0.1 (ancestral: 0.019).
+    ema_fraction: float = Field(0.1, ge=0)
     batch_size: int = Field(64, gt=0)
     lr: float = Field(5e-4, gt=0)
 

@@ -80,8 +80,8 @@ def router_config(cfg: Config) -> Config:
     router = _derived(cfg, router_dir(cfg), replace={"model": model, "eval": {}},
                       data={"partition": str(partition_dir(cfg)), "cluster": None}, train={**train, "images": 1})
     images = r.images or router_images(cfg, router)
-    return router.model_copy(update={"train": router.train.model_copy(update={"images": images,
-                                                                               "checkpoint_every": images})})
+    train = {"images": images, "checkpoint_every": images, "ema_halflife_images": r.ema_fraction * images}
+    return router.model_copy(update={"train": router.train.model_copy(update=train)})
 
 
 def router_images(cfg: Config, router: Config) -> int:
