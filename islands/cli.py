@@ -36,7 +36,7 @@ def _train(args) -> int:
                 cfg = expert_config(cfg, int(role[0].split("=", 1)[1]))
             except ValueError:
                 raise ConfigError(f"expert: {role[0]!r} is not expert=K with K a number") from None
-    run_dir = train(cfg, progress=not args.quiet)
+    run_dir = train(cfg, progress=not args.quiet, teacher=_teacher(cfg))
     print(run_summary(run_dir))
     return 0
 
@@ -130,6 +130,15 @@ def _ddm(args) -> int:
     return 0
 
 
+def _teacher(cfg):
+    """What a distilled student learns from: the ensemble, built here since training must not import it."""
+    if cfg.train.objective != "distill":
+        return None
+    from islands.ddm.ensemble import distillation_teacher
+
+    return distillation_teacher
+
+
 def _distill(args) -> int:
     from islands.ddm.runs import distill_config
     from islands.train.loop import run_summary, train
@@ -137,7 +146,7 @@ def _distill(args) -> int:
     # the folder given is the ensemble, wherever it was trained (islands may move it whole)
     overrides = [*args.overrides, f"run_dir={args.ensemble_dir}"]
     cfg = distill_config(load_config(Path(args.ensemble_dir) / "config.yaml", overrides), args.teacher)
-    print(run_summary(train(cfg, progress=not args.quiet)))
+    print(run_summary(train(cfg, progress=not args.quiet, teacher=_teacher(cfg))))
     return 0
 
 

@@ -148,6 +148,13 @@ def load_ensemble(root: Path, routing: str = DEFAULT_ROUTING, max_loaded: int | 
     return Mixture(slots, router, routing=routing, max_loaded=max_loaded, seed=seed), manifest
 
 
+def distillation_teacher(cfg: Config, device) -> Mixture:
+    """The teacher of a distilled student (train.teacher): each image's own cluster's expert (ancestral routing,
+    the image's cluster assigned), or the whole routed mixture."""
+    routing = "ancestral" if cfg.train.teacher == "cluster" else "full"
+    return load_ensemble(Path(cfg.data.partition).parent, routing, seed=cfg.seed, device=device)[0]
+
+
 def ancestral_clusters(manifest: dict, seed: int, first: int, num: int, labels: torch.Tensor | None = None,
                        available: torch.Tensor | None = None):
     """Sample i's cluster, drawn by its own stream (the same at any batch size) from the cluster sizes, or, for a

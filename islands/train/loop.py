@@ -129,19 +129,20 @@ def autocast(cfg: Config, device: torch.device):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def train(cfg: Config, progress: bool = True) -> Path:
+def train(cfg: Config, progress: bool = True, teacher=None) -> Path:
     """Train (or resume) the run that `cfg` describes and return its directory.
 
-    Under torchrun every rank calls this; rank 0 alone writes files.
+    Under torchrun every rank calls this; rank 0 alone writes files. A distilled student needs `teacher`:
+    (cfg, device) -> the ensemble as a `Denoiser` (islands.ddm.ensemble.distillation_teacher).
     """
     world = init_world(cfg.parallel.timeout_s)
     try:
-        return _train(cfg, world, progress and world.is_main)
+        return _train(cfg, world, progress and world.is_main, teacher)
     finally:
         close_world()
 
 
-def _train(cfg: Config, world: World, progress: bool) -> Path:
+def _train(cfg: Config, world: World, progress: bool, teacher=None) -> Path:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     # Adam's second moments of rarely-used weights decay into denormal floats, which are ~100x slower on CPUs.
@@ -178,11 +179,10 @@ def _train(cfg: Config, world: World, progress: bool) -> Path:
     elif cfg.train.objective == "router":
         objective = RouterObjective(cfg.seed, cfg.model.outputs, num_classes, cfg.train.label_dropout)
     else:
-        from islands.ddm.ensemble import load_ensemble  # the outermost layer, needed by this objective only
-
-        routing = "ancestral" if cfg.train.teacher == "cluster" else "full"
-        teacher, _ = load_ensemble(Path(cfg.data.partition).parent, routing, seed=cfg.seed, device=device)
-        objective = DistillObjective(cfg, num_classes, teacher, source.num_clusters)
+        if teacher is None:  # the ensemble belongs to an outer layer, which builds it (islands.cli)
+            raise ConfigError("train.objective: 'distill' needs its teacher, the ensemble; run 'islands distill' or "
+                              "'islands train' on the student's config")
+        objective = DistillObjective(cfg, num_classes, teacher(cfg, device), source.num_clusters)
 
     def sharded_state() -> dict:
         """What each rank holds: its shards under FSDP, its optimizer partition under ZeRO-1."""
