@@ -30,7 +30,7 @@ def test_the_defaults_learn_the_weights_of_16_narrow_unequal_modes(tmp_path):
                     "sample": {"num": 16}})
     assert (cfg.flow.time_sampler, cfg.train.ema_halflife_images) == ("uniform", 500_000)
     run_dir = train(cfg, progress=False)
-    denoiser, cfg, info = load_denoiser(run_dir)
+    denoiser, cfg, _info = load_denoiser(run_dir)
     x = generate(denoiser, (2,), 8000, cfg.sample.model_copy(update={"batch_size": 8000}), seed=1).double()
     truth = GaussianMixture(means, 0.1, weights)
     nearest = torch.cdist(x, truth.means).min(1)

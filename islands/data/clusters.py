@@ -73,4 +73,3 @@ class ClusterLabelled(Source):
         x, y = self.source.get(indices)
         k = self.cluster[torch.as_tensor(np.asarray(indices, dtype=np.int64))]
         return x, k if y is None else y * self.num_clusters + k
-

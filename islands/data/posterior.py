@@ -39,17 +39,18 @@ class ExactPosterior:
         t = torch.as_tensor(t, dtype=torch.float64).expand(x.shape[0]).reshape(-1, 1).cpu()
         if (t <= 0).any() or (t > 1).any():
             raise ValueError("the exact posterior needs 0 < t <= 1 (at t = 0 it is the nearest point's cluster)")
-        allowed = None
         if cond is not None and self.classes is not None:
             cond = torch.as_tensor(cond, dtype=torch.long).cpu()
-            allowed = (cond[:, None] == self.classes[None]) | (cond[:, None] == self.num_classes)  # (B, N)
+        else:
+            cond = None
         # log sum_{i in k} exp(a_i) per cluster, chunk by chunk, each chunk shifted by its own maximum
         out = torch.full((x.shape[0], self.k), -torch.inf, dtype=torch.float64)
         for lo in range(0, self.points.shape[0], CHUNK):
             points = self.points[lo:lo + CHUNK]
             a = ((1 - t) * (x @ points.T) - (1 - t) ** 2 * self.half_sq_norms[lo:lo + CHUNK]) / t**2
-            if allowed is not None:
-                a = a.masked_fill(~allowed[:, lo:lo + CHUNK], -torch.inf)
+            if cond is not None:  # only the points of the sample's class, or all of them for the null label
+                allowed = (cond[:, None] == self.classes[None, lo:lo + CHUNK]) | (cond[:, None] == self.num_classes)
+                a = a.masked_fill(~allowed, -torch.inf)
             top = a.amax(1, keepdim=True).clamp_min(-1e300)  # a row may be all -inf: no point of its class here
             sums = (a - top).exp() @ self.one_hot[lo:lo + CHUNK]  # (B, K) sums of exp(a_i - top) per cluster
             out = torch.logaddexp(out, sums.log() + top)
