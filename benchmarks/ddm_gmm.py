@@ -3,7 +3,8 @@
 A mixture of 16 Gaussians in 32 dimensions (seeded means, uneven weights) stands in for a data set whose
 density and velocity are known exactly. The monolith is a residual MLP trained on all of it; each DDM
 splits the same training budget into K experts of the same MLP (batch / K each, the same number of steps)
-and adds a small router, whose FLOPs the monolith is then given too. Every ensemble is sampled with each
+and adds a small router (the defaults: a quarter of the experts' width, 4% of their training FLOPs), whose FLOPs
+the monolith is then given too. Every ensemble is sampled with each
 routing policy; the metrics are the mean negative log-likelihood under the true mixture, the sliced W2
 distance to fresh data, the error in mode masses, and the velocity error against the exact field
 (integrated over t), with the cost per sample.
@@ -25,7 +26,7 @@ from islands.eval.evaluate import evaluate_target
 from islands.flow.samplers import evaluations_per_sample
 
 DIM, COMPONENTS = 32, 16
-ROUTINGS = ("full", "top1", "topk:2", "sample", "oracle")
+ROUTINGS = ("ancestral", "full", "top1", "topk:2", "nucleus:0.9", "sample", "ancestral_then:top1@0.2")
 ENSEMBLES = [("kmeans", 2), ("kmeans", 4), ("kmeans", 8), ("random", 4)]
 METRICS = ("nll", "swd", "mode_mass_error", "velocity_mse")
 
@@ -46,7 +47,7 @@ def config(run_dir: Path, method: str = "kmeans", k: int = 0) -> dict:
            "eval": {"num": 2000}}
     if k:
         cfg["ddm"] = {"k": k, "partition": {"method": method, "pca_dim": None, "fine": 256, "balanced": False},
-                      "router": {"hidden": 128, "depth": 3, "images": 32000, "batch_size": 256, "lr": 2e-3}}
+                      "router": {"depth": 3, "batch_size": 256, "lr": 2e-3}}  # its default width and budget
     return cfg
 
 

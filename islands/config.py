@@ -227,14 +227,16 @@ class RouterConfig(Section):
     depth: int = Field(4, gt=0)
     num_heads: int = Field(4, gt=0)
     patch_size: int = Field(4, gt=0)
-    hidden: int = Field(128, gt=0)  # vectors: a residual MLP
+    # vectors: a residual MLP; None: a quarter of the experts' width. Under a FLOP budget a narrow router sees more
+    # images: on a 2-D mixture, width 32 beside experts of 128 halved full routing's mode-mass error (BENCHMARKS.md).
+    hidden: int | None = Field(None, gt=0)
     # The router's budget: its training FLOPs as a share of the experts' (the paper's 4%), counted the way every
     # run's flops.json is; `images` fixes its run length instead.
     flops_fraction: float = Field(0.04, gt=0)
     images: int | None = Field(None, gt=0)
-    # EMA of the router's weights, its half-life a share of the router's images. Without it a router trained at
-    # a constant rate ends on noisy weights: on a 2-D mixture full routing's mode-mass error fell from 0.055 to
-    # 0.024 with 0.1 (ancestral: 0.019).
+    # EMA of the router's weights, its half-life a share of the router's images (no ramp-up). Without it a router
+    # trained at a constant rate ends on noisy weights: on a 2-D mixture full routing's mode-mass error fell from
+    # 0.055 to 0.024 (ancestral: 0.019).
     ema_fraction: float = Field(0.1, ge=0)
     batch_size: int = Field(64, gt=0)
     lr: float = Field(5e-4, gt=0)

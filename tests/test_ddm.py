@@ -98,10 +98,11 @@ def test_the_ensemble_samples_every_mode_and_records_its_cost(ensemble):
     assert "routing=ancestral" in key  # the default policy: each sample's expert drawn from the cluster sizes
     assert ancestral["mode_mass_error"] < 0.04 and min(ancestral["mode_mass"]) > 0.05
     assert ancestral["expert_evaluations_per_sample"] == 23  # heun, 12 steps: one expert per evaluation
+    assert ancestral["router_evaluations_per_sample"] == 0  # ancestral routing never asks the router
     assert 0 < ancestral["seconds_per_sample"] < 1
     top1 = sample_and_evaluate(cfg, "top1", progress=False)
     assert min(top1["mode_mass"]) > 0.005  # top-1 favours the big cluster at t = 1, but reaches every mode
-    assert top1["expert_evaluations_per_sample"] == 23
+    assert top1["expert_evaluations_per_sample"] == top1["router_evaluations_per_sample"] == 23
     for picture in ("ancestral.png", "top1.png"):
         assert (root / "samples" / picture).stat().st_size > 0
     assert (root / "partition" / "clusters.png").exists()
@@ -139,8 +140,11 @@ def test_the_router_budget_is_a_share_of_the_experts_flops(ensemble):
     per_image = json.loads((root / "router" / "flops.json").read_text())["flops_per_image"]
     assert images % 64 == 0 and images == pytest.approx(0.5 * experts / per_image, abs=64)
     assert router_config(validate(raw)).train.ema_halflife_images == pytest.approx(0.1 * images)
+    assert router_config(validate(raw)).train.ema_rampup is None  # which would cap the half-life at 5%
     raw["ddm"]["router"].update(images=640)
     assert router_config(validate(raw)).train.images == 640  # a fixed length, when given
+    raw["ddm"]["router"].update(hidden=None)  # the default width for vectors: a quarter of the experts'
+    assert router_config(validate(raw)).model.hidden == 16 and cfg.model.hidden == 64
 
 
 def test_the_trained_router_approaches_the_exact_posterior(ensemble):

@@ -6,10 +6,12 @@ import warnings
 import pytest
 import torch
 
+from islands.config import SampleConfig
 from islands.data.gmm import GaussianMixture
-from islands.ddm.ensemble import ancestral_clusters
+from islands.ddm.ensemble import ancestral_clusters, ancestral_preparation
 from islands.ddm.mixture import ExpertSlot, Mixture, PriorRouter, Routing, parse_routing
 from islands.flow.samplers import evaluations_per_sample, sample
+from islands.generate import generate
 
 MEANS = [[2.0, 2.0], [-2.0, 2.0], [-2.0, -2.0], [2.0, -2.0]]
 STD = 0.3
@@ -394,3 +396,29 @@ def test_ancestral_routing_draws_a_conditional_sample_from_the_clusters_of_its_c
     # unconditional samples (or a partition without classes) draw from the cluster sizes
     sizes = torch.bincount(ancestral_clusters(manifest, 0, 0, n), minlength=3).double() / n
     assert torch.allclose(sizes, torch.tensor(manifest["prior"], dtype=torch.float64), atol=0.02)
+
+
+def test_a_routed_batch_is_drawn_wide_enough_for_each_expert_to_get_one_models_call():
+    """A policy that sends every sample to one of K experts draws K batches at once (K / k for top-k), so that each
+    expert's calls hold about one model's batch; under full and nucleus routing every expert may see every sample.
+    K counts the available experts."""
+    slots = eager_slots()[0]
+    widths = {policy: Mixture(slots, exact_router, policy).sampling_batch(64)
+              for policy in ("ancestral", "top1", "sample", "topk:2", "ancestral_then:topk:2@0.3", "full",
+                             "nucleus:0.9")}
+    assert widths == {"ancestral": 256, "top1": 256, "sample": 256, "topk:2": 128, "ancestral_then:topk:2@0.3": 128,
+                      "full": 64, "nucleus:0.9": 64}
+    assert Mixture(eager_slots(missing=(1,))[0], exact_router, "top1").sampling_batch(64) == 192
+
+
+def test_ancestral_samples_do_not_depend_on_how_many_are_drawn_at_once():
+    """Each sample's noise and expert come from its own stream, so drawing 40 samples 7 or 40 at a time (or as
+    wide as sampling_batch makes it) gives the same samples exactly."""
+    samples = []
+    for batch in (7, 40, 160):
+        mixture = Mixture(eager_slots()[0], None, routing="ancestral")
+        opts = SampleConfig(steps=6, solver="heun", batch_size=batch)
+        samples.append(generate(mixture, (2,), 40, opts, 5, None,
+                                prepare=ancestral_preparation(mixture, {"prior": WEIGHTS}, 5)))
+    assert torch.equal(samples[0], samples[1]) and torch.equal(samples[1], samples[2])
+    assert samples[0].std() > 0.5  # samples, not a constant

@@ -157,10 +157,19 @@ class Mixture(nn.Module):
     def reset_counts(self) -> None:
         self.evaluations = 0  # (sample, expert) pairs evaluated, over all calls
         self.evaluations_by_expert = [0] * len(self.slots)
+        self.router_evaluations = 0  # samples the router was asked about (none under ancestral routing)
 
     def calls_per_sample(self, num_samples: int) -> float:
         """Expert evaluations per sample, for `num_samples` samples generated since the last `reset_counts`."""
         return self.evaluations / num_samples
+
+    def sampling_batch(self, batch_size: int) -> int:
+        """How many samples to draw at once so that each expert's calls hold about `batch_size`, as one model's
+        calls do: a policy that sends every sample to one of K experts splits a batch K ways, and small calls cost
+        more per sample. Under full and nucleus routing an expert may see every sample: `batch_size` itself."""
+        if self.routing.policy in ("full", "nucleus"):
+            return batch_size
+        return batch_size * int(self.available.sum()) // self.routing.top_k
 
     @property
     def loaded_names(self) -> list[str]:
@@ -226,6 +235,7 @@ class Mixture(nn.Module):
         """The weights the router's probabilities give under the policy, float64 (B, K)."""
         batch, num = x.shape[0], len(self.slots)
         probs = self.router(x, t, cond).double()
+        self.router_evaluations += batch
         if probs.shape != (batch, num):
             raise ValueError(f"the router returned shape {tuple(probs.shape)}, expected {(batch, num)}")
         probs = self._without_missing(probs)

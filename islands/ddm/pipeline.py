@@ -134,14 +134,17 @@ def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: b
 
     def counted(batches):
         yield from timed(batches, sampling)
-        sampling["evaluations"] = mixture.evaluations  # before the metrics call the mixture themselves
+        # before the metrics call the mixture themselves
+        sampling["evaluations"], sampling["router"] = mixture.evaluations, mixture.router_evaluations
 
-    batches = generated(mixture, shape, cfg.eval.num, cfg.sample, cfg.seed, num_classes, progress, prepare)
+    opts = cfg.sample.model_copy(update={"batch_size": mixture.sampling_batch(cfg.sample.batch_size)})
+    batches = generated(mixture, shape, cfg.eval.num, opts, cfg.seed, num_classes, progress, prepare)
     # the velocity error needs a field of (x, t); ancestral routing is one only along each sample's own path
     result = evaluator(counted(batches), None if mixture.routing.needs_assignment else mixture)
     result["seconds_per_sample"] = sampling["seconds"] / cfg.eval.num
     result["expert_evaluations_per_sample"] = sampling["evaluations"] / cfg.eval.num
-    grid = next(generated(mixture, shape, min(64, cfg.sample.num), cfg.sample, cfg.seed, num_classes,
+    result["router_evaluations_per_sample"] = sampling["router"] / cfg.eval.num
+    grid = next(generated(mixture, shape, min(64, cfg.sample.num), opts, cfg.seed, num_classes,
                           prepare=prepare))[0]
     save_samples_picture(grid, root / "samples" / f"{picture_name(routing)}.png", source.get(list(range(2000)))[0]
                          if len(shape) == 1 else None, f"ensemble, {routing} routing")

@@ -73,14 +73,16 @@ def router_config(cfg: Config) -> Config:
     _require_ddm(cfg)
     r = cfg.ddm.router
     model = {"arch": "router", "num_classes": cfg.model.num_classes, "outputs": cfg.ddm.k, "depth": r.depth}
-    model.update({"hidden": r.hidden} if cfg.model.arch == "mlp" else
+    model.update({"hidden": r.hidden or max(16, cfg.model.hidden // 4)} if cfg.model.arch == "mlp" else
                  {"hidden_size": r.hidden_size, "num_heads": r.num_heads, "patch_size": r.patch_size})
     train = {"objective": "router", "batch_size": r.batch_size, "lr": r.lr, "accumulate": 1, "warmup_images": 0,
              "ema_halflife_images": 0.0, "sample_every": 0}
     router = _derived(cfg, router_dir(cfg), replace={"model": model, "eval": {}},
                       data={"partition": str(partition_dir(cfg)), "cluster": None}, train={**train, "images": 1})
     images = r.images or router_images(cfg, router)
-    train = {"images": images, "checkpoint_every": images, "ema_halflife_images": r.ema_fraction * images}
+    # no EDM ramp-up: it would cap the half-life at train.ema_rampup (5%) of the images, whatever ema_fraction says
+    train = {"images": images, "checkpoint_every": images, "ema_halflife_images": r.ema_fraction * images,
+             "ema_rampup": None}
     return router.model_copy(update={"train": router.train.model_copy(update=train)})
 
 
