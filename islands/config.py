@@ -228,7 +228,8 @@ class RouterConfig(Section):
     num_heads: int = Field(4, gt=0)
     patch_size: int = Field(4, gt=0)
     # vectors: a residual MLP; None: a quarter of the experts' width. Under a FLOP budget a narrow router sees more
-    # images: on a 2-D mixture, width 32 beside experts of 128 halved full routing's mode-mass error (BENCHMARKS.md).
+    # images: on a 2-D mixture, width 32 beside experts of 128 halved its error against the exact posterior and
+    # took full routing's mode-mass error from 2.6x to 2.0x ancestral routing's (BENCHMARKS.md section 11).
     hidden: int | None = Field(None, gt=0)
     # The router's budget: its training FLOPs as a share of the experts' (the paper's 4%), counted the way every
     # run's flops.json is; `images` fixes its run length instead.

@@ -165,8 +165,8 @@ class Mixture(nn.Module):
 
     def sampling_batch(self, batch_size: int) -> int:
         """How many samples to draw at once so that each expert's calls hold about `batch_size`, as one model's
-        calls do: a policy that sends every sample to one of K experts splits a batch K ways, and small calls cost
-        more per sample. Under full and nucleus routing an expert may see every sample: `batch_size` itself."""
+        calls do: a policy that sends every sample to one of K experts splits a batch K ways, and small calls waste
+        an accelerator. Under full and nucleus routing an expert may see every sample: `batch_size` itself."""
         if self.routing.policy in ("full", "nucleus"):
             return batch_size
         return batch_size * int(self.available.sum()) // self.routing.top_k
