@@ -144,7 +144,7 @@ def ensemble_fd_by_seed(cfg, routing: str) -> list[float]:
     return fds
 
 
-def spread(cfg, mono_dir: Path) -> dict:
+def spread(cfg) -> dict:
     """How far FD and KID move from the draw alone: each of the disjoint sets of NUM test images."""
     real = [real_images(cfg, first) for first in range(0, 10_000, NUM)]  # the test set's 10k
     return {"real test images": {m: [r[m] for r in real] for m in ("fd", "kid")}}
@@ -235,7 +235,7 @@ def run() -> dict:
     rows.insert(0, ["real test images", "-", "-", *row_values(real), "-", "-", "-", "-"])
     curves = {name: json.loads((router_dir(cfg) / "router_accuracy.json").read_text())
               for name, cfg in ensembles.items()}
-    noise = cached("spread", lambda: spread(validate(config(mono_dir)), mono_dir))
+    noise = cached("spread", lambda: spread(validate(config(mono_dir))))
     seeds = against_the_monolith(found, "kmeans K=8", mono_dir, ensembles["kmeans K=8"])
     for name, values in noise.items():
         print(f"{name}: FD {mean_std(values['fd'])}, KID x1e3 {mean_std([1e3 * v for v in values['kid']])}")

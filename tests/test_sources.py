@@ -2,6 +2,7 @@ import gzip
 import os
 import re
 import struct
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -311,7 +312,7 @@ def test_npz_label_mismatch(tmp_path):
 
 class Bomb:
     """Unpickling this would append to a list; the loader must never do it."""
-    ran = []
+    ran: ClassVar[list] = []
 
     def __reduce__(self):
         return (Bomb.ran.append, ("unpickled!",))

@@ -22,6 +22,7 @@ import os
 import zipfile
 import zlib
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -213,7 +214,7 @@ def read_idx(path):
 class FashionMnist(_ArraySource):
     """Fashion-MNIST (1x28x28, 10 classes) from its four IDX files."""
 
-    PREFIX = {"train": "train", "test": "t10k"}
+    PREFIX: ClassVar[dict] = {"train": "train", "test": "t10k"}
 
     def __init__(self, path=FASHION_MNIST_DIR, split="train", resolution=None):
         resolution = _check_resolution(resolution)
