@@ -32,7 +32,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from benchmarks.common import BATCH, UNET, BareLoop, build_net, measure, median, save, setup, table
-from islands.train.activation_checkpointing import checkpoint_blocks
+from islands.parallel.activation_checkpointing import checkpoint_blocks
 
 PRECISION = "bf16"
 VARIANTS = ("plain", "checkpointed")
@@ -86,7 +86,7 @@ def same_gradients() -> float:
         torch.manual_seed(1)
         loop.loss().backward()
         grads.append([p.grad for p in loop.params])
-    return max((a - b).abs().max().item() for a, b in zip(*grads))
+    return max((a - b).abs().max().item() for a, b in zip(*grads, strict=True))
 
 
 def rss_kib(field: str) -> int:
@@ -142,7 +142,7 @@ def run() -> dict:
     grad_diff = same_gradients()
     times, others = measure("step time", step_seconds)
     step = {v: median(times[v]) for v in VARIANTS}
-    step_ratio = median([c / p for p, c in zip(times["plain"], times["checkpointed"])])
+    step_ratio = median([c / p for p, c in zip(times["plain"], times["checkpointed"], strict=True)])
 
     def row(what, plain, ckpt):
         return [what, plain / MIB, ckpt / MIB, ckpt / plain, f"{1 - ckpt / plain:.0%}"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from islands.config import ModelConfig, validate
+from islands.config import validate
 from islands.data.sources import Mnist5k
 from islands.ddm.pipeline import build_ensemble, monolith_images
 from islands.nets import build_network
@@ -142,7 +142,7 @@ def mnist() -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_net(model: dict) -> torch.nn.Module:
     torch.manual_seed(SEED)  # the same initial weights as an Islands run with this seed
-    return build_network(ModelConfig(**model), (1, 28, 28), 10)
+    return build_network(validate({"run_dir": ".", "model": model}).model, (1, 28, 28), 10)
 
 
 def autocast(precision: str):

@@ -26,7 +26,7 @@ from islands.data.gmm import GaussianMixture
 from islands.eval import exact
 from islands.flow.samplers import sample
 from islands.generate import generate, load_denoiser
-from islands.train.loop import train
+from islands.trainer import train
 
 IMAGES, BATCH, SAMPLES = 200_000, 256, 10_000
 SEEDS = (0, 1, 2)  # for the rows the verdict rests on; one seed for the others

@@ -60,7 +60,7 @@ def _local_bytes(tensors) -> int:
 
 def memory_worker(strategy_name: str, out: str) -> None:
     """One rank: the trainer's own wrapping and optimizer, two steps, then count what this rank holds."""
-    from islands.config import ModelConfig
+    from islands.config import validate
     from islands.flow.objectives import training_loss
     from islands.flow.paths import build_path
     from islands.nets import build_network
@@ -70,7 +70,7 @@ def memory_worker(strategy_name: str, out: str) -> None:
     world = init_world(TIMEOUT_S)
     strategy = build_strategy(strategy_name, world)
     torch.manual_seed(0)
-    net = build_network(ModelConfig(**MEMORY_MODEL), SHAPE, 1000)
+    net = build_network(validate({"run_dir": ".", "model": MEMORY_MODEL}).model, SHAPE, 1000)
     model = strategy.wrap(net)
     opt = strategy.optimizer(net, lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0)
     path = build_path("rectified_flow")

@@ -1,7 +1,7 @@
 """bf16 autocast versus fp32: images/s and loss curves, for the small U-Net and the small DiT, and the speed and
 drift of sampling each trained network in bf16 (`sample.precision`).
 
-Each network is trained twice through `islands.train.loop.train` on MNIST 5k for the same number of
+Each network is trained twice through `islands.trainer.train` on MNIST 5k for the same number of
 images. Both runs see the same examples with the same noise and times (all keyed on stream position),
 from the same initial weights, so the two loss curves differ by precision alone.
 
@@ -40,7 +40,7 @@ from benchmarks.common import (
 from islands.config import SampleConfig
 from islands.generate import generate, load_denoiser
 from islands.train.logbook import read_metrics
-from islands.train.loop import train
+from islands.trainer import train
 
 NETWORKS = {"unet": (UNET, 4096), "dit": (DIT, 2560)}  # (model, training images): the DiT step is ~5x dearer
 TITLES = {"unet": "U-Net: 32 channels x (1, 2, 2), attention at 7x7",
@@ -51,6 +51,7 @@ SAMPLES, SAMPLE_PAIRS = 64, 6  # sampling: one batch of 64 (Heun, 8 steps) per p
 TAIL = 0.25  # final loss: the mean over the last quarter of the windows
 LOSS_TOLERANCE = 0.05  # bf16's final loss within 5% of fp32's
 
+SAMPLING_KEYS = ("net", "trained_in", "speedup_alternated", "relative_difference")  # a row of the sampling table
 
 def train_run(model: dict, precision: str, images: int) -> tuple[list[dict], dict]:
     """The run's log, and how its trained network samples in fp32 and in bf16."""
@@ -106,7 +107,7 @@ def final_loss(records: list[dict]) -> float:
 
 def plot(curves: dict, path) -> None:
     fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 3.8))
-    for ax, (name, runs) in zip(axes, curves.items()):
+    for ax, (name, runs) in zip(axes, curves.items(), strict=True):
         params = sum(p.numel() for p in build_net(NETWORKS[name][0]).parameters())
         for precision, records in runs.items():
             label = f"{precision} ({images_per_s(records):.0f} img/s)"
@@ -159,8 +160,7 @@ def run() -> dict:
                            "log_every": LOG_EVERY, "final_loss": f"mean over the last {TAIL:.0%} of log windows",
                            "images_per_s": "fastest log window, the first (warm-up) left out",
                            "speedup_alternated": f"median fp32/bf16 step time over {PAIRS} alternated bare steps"},
-              "networks": figures, "sampling": [dict(zip(("net", "trained_in", "speedup_alternated",
-                                                           "relative_difference"), row)) for row in sampling],
+              "networks": figures, "sampling": [dict(zip(SAMPLING_KEYS, row, strict=True)) for row in sampling],
               "target": f"bf16/fp32 images/s > 1 and final loss within {LOSS_TOLERANCE:.0%}",
               "met": met, "figure": "docs/figures/precision_loss.png", "others_cpu_share": others}
     save("precision", result)

@@ -31,7 +31,7 @@ from islands.flow.denoiser import NetworkDenoiser
 from islands.flow.paths import build_path
 from islands.generate import generate, network_with_weights
 from islands.nets import build_network
-from islands.train.checkpoint import load_weights
+from islands.rundir import load_weights
 
 SHAPE, CLASSES, ROUNDS, TARGET = (1, 28, 28), 10, 3, 1.1
 SETTINGS = {  # name: (K, samples, batch, guidance, Heun steps, router hidden size, router depth)

@@ -41,7 +41,7 @@ from islands.data.gmm import GaussianMixture
 from islands.eval.evaluate import Evaluator
 from islands.flow.samplers import GRIDS, SOLVERS, evaluations_per_sample, sample
 from islands.generate import generate, load_denoiser, sample_labels, sampling_precision
-from islands.train.loop import train
+from islands.trainer import train
 
 BUDGETS = (4, 6, 8, 10, 16, 32)  # the targets are read at 4, 8, 16 and 32
 TARGET_BUDGETS, BETTER_AT, BETTER_BY = (4, 8, 16, 32), 8, 1.5

@@ -12,19 +12,28 @@ from islands.config import ConfigError, SampleConfig, load_config
 EPILOG_TRAIN = """examples:
   islands train configs/mnist5k.yaml
   islands train configs/smoke.yaml train.images=20000 model.arch=unet run_dir=runs/try2
+  islands train configs/gmm2d.yaml flow.t_ranges=[0,0.5,1] tstage=1   # one timestep-range expert
 Rerunning the same command resumes from the last complete checkpoint."""
 
 
 def _train(args) -> int:
-    from islands.train.loop import run_summary, train
+    from islands.rundir import run_summary
+    from islands.trainer import train
 
-    role = [o for o in args.overrides if o in ("router", "monolith") or o.startswith("expert=")]
+    role = [o for o in args.overrides if o in ("router", "monolith") or o.startswith(("expert=", "tstage="))]
     cfg = load_config(args.config, [o for o in args.overrides if o not in role])
-    if role:  # a member of a decentralized model, derived from the ensemble's config
+    if len(role) > 1:
+        raise ConfigError(f"train: give one of tstage=I, expert=K, router and monolith, not {' '.join(role)}")
+    if role and role[0].startswith("tstage="):  # a timestep-range expert of the config's run
+        from islands.ddm.runs import tstage_config
+
+        index = role[0].split("=", 1)[1]
+        if not index.isdecimal():
+            raise ConfigError(f"tstage: {role[0]!r} is not tstage=I with I a number")
+        cfg = tstage_config(cfg, int(index))
+    elif role:  # a member of a decentralized model, derived from the ensemble's config
         from islands.ddm.runs import expert_config, monolith_config, require_partition, router_config
 
-        if len(role) > 1:
-            raise ConfigError(f"train: give one of expert=K, router and monolith, not {' '.join(role)}")
         if role[0] != "monolith":
             require_partition(cfg)
         if role[0] == "router":
@@ -59,7 +68,12 @@ def _sample(args) -> int:
         return _sample_ensemble(args)
     if args.routing or args.max_loaded:
         raise ConfigError(f"--routing: {args.run_dir} is not an ensemble directory (no ensemble.json)")
-    denoiser, cfg, info = load_denoiser(Path(args.run_dir), use_ema=not args.no_ema)
+    if (Path(args.run_dir) / "tstages").is_dir():  # timestep-range experts, gated by t
+        from islands.ddm.time_gate import load_time_gate
+
+        denoiser, cfg, info = load_time_gate(Path(args.run_dir), use_ema=not args.no_ema)
+    else:
+        denoiser, cfg, info = load_denoiser(Path(args.run_dir), use_ema=not args.no_ema)
     opts = _sample_options(cfg, args)
     if args.class_label is not None and not 0 <= args.class_label < max(info["num_classes"], 1):
         raise ConfigError(f"--class: {args.class_label} is not a class of this model ({info['num_classes']} classes)")
@@ -142,7 +156,8 @@ def _teacher(cfg):
 
 def _distill(args) -> int:
     from islands.ddm.runs import distill_config
-    from islands.train.loop import run_summary, train
+    from islands.rundir import run_summary
+    from islands.trainer import train
 
     # the folder given is the ensemble, wherever it was trained (islands may move it whole)
     overrides = [*args.overrides, f"run_dir={args.ensemble_dir}"]
@@ -289,10 +304,7 @@ def warnings_as_lines():
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from islands.data import DataError
-    from islands.ddm.members import MemberFailed
-    from islands.train.checkpoint import CheckpointError
-    from islands.train.loop import TrainingStopped
+    from islands.errors import CheckpointError, DataError, MemberFailed, TrainingStopped
 
     try:
         with warnings_as_lines():

@@ -6,46 +6,21 @@ line turns it into exit status 2.
 
 import math
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Annotated, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-
-class ConfigError(ValueError):
-    pass
+from islands.errors import ConfigError
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    # Sections with a kind (data.source, model.arch) list the keys each kind uses.
-    kind_key: ClassVar[str | None] = None
-    used_by: ClassVar[dict[str, set[str]]] = {}
-
-    def unused_keys(self) -> set[str]:
-        if self.kind_key is None:
-            return set()
-        kind = getattr(self, self.kind_key)
-        return set(type(self).model_fields) - self.used_by[kind] - {self.kind_key}
-
-    def _reject_unused(self) -> None:
-        """Keys that exist but mean nothing for the chosen kind are errors, not silent no-ops."""
-        for key in sorted(self.model_fields_set & self.unused_keys()):
-            raise ValueError(f"{key}: not used when {self.kind_key} is {getattr(self, self.kind_key)!r}")
 
 
-class DataConfig(Section):
-    source: Literal["mnist5k", "fashion_mnist", "folder", "npz", "gmm"] = "mnist5k"
-    path: str | None = None
-    split: Literal["train", "test"] = "train"
-    resolution: int | None = Field(None, gt=0)
-    channels: Literal[1, 3] = 3
-    key: str = "x"
-    label_key: str = "y"
-    means: list[list[float]] | None = None
-    std: float = Field(0.1, gt=0)
-    weights: list[float] | None = None
-    size: int = Field(50_000, gt=0)
+# --- data: one variant per source, told apart by `source` ---
+
+class _Data(Section):
     flip: bool | None = None  # None: the source's own default (flip natural images only)
     workers: int = Field(0, ge=0)
     # Written by `islands ddm` into the runs it derives: a partition folder, and the cluster an expert keeps
@@ -53,70 +28,104 @@ class DataConfig(Section):
     partition: str | None = None
     cluster: int | None = Field(None, ge=0)
 
-    kind_key: ClassVar[str] = "source"
-    used_by: ClassVar[dict[str, set[str]]] = {
-        "mnist5k": {"flip", "workers", "resolution", "partition", "cluster"},
-        "fashion_mnist": {"flip", "workers", "path", "split", "resolution", "partition", "cluster"},
-        "folder": {"flip", "workers", "path", "resolution", "channels", "partition", "cluster"},
-        "npz": {"flip", "workers", "path", "key", "label_key", "resolution", "partition", "cluster"},
-        "gmm": {"flip", "workers", "means", "std", "weights", "size", "partition", "cluster"},
-    }
+
+class Mnist5kData(_Data):
+    source: Literal["mnist5k"] = "mnist5k"
+    resolution: int | None = Field(None, gt=0)
+
+
+class FashionMnistData(_Data):
+    source: Literal["fashion_mnist"] = "fashion_mnist"
+    path: str | None = None  # None: Debian's dataset-fashion-mnist
+    split: Literal["train", "test"] = "train"
+    resolution: int | None = Field(None, gt=0)
+
+
+class FolderData(_Data):
+    source: Literal["folder"] = "folder"
+    path: str
+    resolution: int = Field(gt=0)
+    channels: Literal[1, 3] = 3
+
+
+class NpzData(_Data):
+    source: Literal["npz"] = "npz"
+    path: str
+    key: str = "x"
+    label_key: str = "y"
+    resolution: int | None = Field(None, gt=0)
+
+
+class GMMData(_Data):
+    source: Literal["gmm"] = "gmm"
+    means: list[list[float]]
+    std: float = Field(0.1, gt=0)
+    weights: list[float] | None = None
+    size: int = Field(50_000, gt=0)
 
     @model_validator(mode="after")
     def _check(self):
-        self._reject_unused()
-        if self.source in ("folder", "npz") and self.path is None:
-            raise ValueError(f"path: required when source is {self.source!r}")
-        if self.source == "folder" and self.resolution is None:
-            raise ValueError("resolution: required when source is 'folder'")
-        if self.source == "gmm":
-            if not self.means or len({len(m) for m in self.means}) != 1 or not self.means[0]:
-                raise ValueError("means: must be a non-empty list of vectors of one dimension")
-            if self.weights is not None and (len(self.weights) != len(self.means) or min(self.weights) < 0):
-                raise ValueError(f"weights: must be {len(self.means)} non-negative numbers")
+        if not self.means or len({len(m) for m in self.means}) != 1 or not self.means[0]:
+            raise ValueError("means: must be a non-empty list of vectors of one dimension")
+        if self.weights is not None and (len(self.weights) != len(self.means) or min(self.weights) < 0):
+            raise ValueError(f"weights: must be {len(self.means)} non-negative numbers")
         return self
 
 
-class ModelConfig(Section):
-    arch: Literal["unet", "dit", "mlp", "router"] = "unet"
+DataConfig = Annotated[Mnist5kData | FashionMnistData | FolderData | NpzData | GMMData, Field(discriminator="source")]
+
+
+# --- model: one variant per network, told apart by `arch` (the registry is islands/nets/__init__.py) ---
+
+class _Model(Section):
     num_classes: int = Field(0, ge=0)  # 0: unconditional; else must match the data's labels
-    # U-Net
+
+
+class UNetModel(_Model):
+    arch: Literal["unet"] = "unet"
     channels: int = Field(64, gt=0)
     channel_mult: list[int] = [1, 2, 2]
     num_res_blocks: int = Field(2, gt=0)
     attention_resolutions: list[int] = [16]
     dropout: float = Field(0.0, ge=0, lt=1)
-    # U-Net and DiT
     num_heads: int | None = Field(None, gt=0)
-    # DiT
+
+
+class DiTModel(_Model):
+    arch: Literal["dit"] = "dit"
     preset: Literal["S", "B", "L", "XL"] = "S"
     patch_size: int = Field(2, gt=0)
-    hidden_size: int | None = Field(None, gt=0)
-    mlp_ratio: float = Field(4.0, gt=0)
-    # DiT and MLP
+    hidden_size: int | None = Field(None, gt=0)  # None: the preset's
     depth: int | None = Field(None, gt=0)
-    # MLP (and the router on vectors)
+    num_heads: int | None = Field(None, gt=0)
+    mlp_ratio: float = Field(4.0, gt=0)
+
+
+class MLPModel(_Model):
+    arch: Literal["mlp"] = "mlp"
     hidden: int = Field(256, gt=0)
-    # router: a classifier of noised examples into `outputs` clusters
+    depth: int | None = Field(None, gt=0)
+
+
+class RouterModel(_Model):
+    """A classifier of noised examples into `outputs` clusters: a small DiT encoder for images (hidden_size,
+    num_heads, patch_size), a residual MLP for vectors (hidden)."""
+
+    arch: Literal["router"] = "router"
     outputs: int = Field(2, gt=1)
-
-    kind_key: ClassVar[str] = "arch"
-    used_by: ClassVar[dict[str, set[str]]] = {
-        "unet": {"num_classes", "channels", "channel_mult", "num_res_blocks", "attention_resolutions", "dropout",
-                 "num_heads"},
-        "dit": {"num_classes", "num_heads", "preset", "patch_size", "hidden_size", "mlp_ratio", "depth"},
-        "mlp": {"num_classes", "depth", "hidden"},
-        "router": {"num_classes", "depth", "hidden", "hidden_size", "num_heads", "patch_size", "outputs"},
-    }
-
-    @model_validator(mode="after")
-    def _check(self):
-        self._reject_unused()
-        return self
+    depth: int | None = Field(None, gt=0)
+    hidden: int = Field(256, gt=0)
+    hidden_size: int | None = Field(None, gt=0)
+    num_heads: int | None = Field(None, gt=0)
+    patch_size: int = Field(2, gt=0)
 
 
-class FlowConfig(Section):
-    path: Literal["rectified_flow", "vp_linear", "cosine", "vp_discrete"] = "rectified_flow"
+ModelConfig = Annotated[UNetModel | DiTModel | MLPModel | RouterModel, Field(discriminator="arch")]
+
+
+# --- flow: continuous paths, and DDPM's discrete schedule with its own keys ---
+
+class _Flow(Section):
     prediction: Literal["velocity", "epsilon", "x0"] = "velocity"
     # None: logit_normal for images (Esser et al. 2024), uniform for vector data (model.arch mlp), where the mode
     # weights are decided near t = 1 and logit-normal rarely trains there (docs/BENCHMARKS.md, mode_weights).
@@ -125,36 +134,64 @@ class FlowConfig(Section):
     logit_mean: float = 0.0
     logit_std: float = Field(1.0, gt=0)
     t_range: tuple[float, float] = (0.0, 1.0)  # in the path's own time: a timestep-range expert's share
-    # vp_discrete: DDPM's schedule of `train_steps` steps, its betas linear (1e-4 to 0.02) or cosine
-    beta_schedule: Literal["linear", "cosine"] = "linear"
-    train_steps: int = Field(1000, gt=1)
-
-    kind_key: ClassVar[str] = "path"
-    _continuous: ClassVar[set[str]] = {"prediction", "time_sampler", "logit_mean", "logit_std", "t_range"}
-    used_by: ClassVar[dict[str, set[str]]] = {
-        "rectified_flow": _continuous, "vp_linear": _continuous, "cosine": _continuous,
-        "vp_discrete": _continuous | {"beta_schedule", "train_steps"},
-    }
+    # Timestep-range experts: boundaries in canonical t from 0 to 1; `islands train CONFIG tstage=I` trains expert I
+    # on [t_ranges[I], t_ranges[I + 1]] (its t_range, in the path's own time), and `islands sample` gates them by t.
+    t_ranges: list[float] | None = None
 
     @model_validator(mode="after")
-    def _check(self):
-        self._reject_unused()
+    def _check_range(self):
         lo, hi = self.t_range
         if not 0.0 <= lo < hi <= 1.0:
             raise ValueError(f"t_range: must satisfy 0 <= lo < hi <= 1, got {list(self.t_range)}")
-        if self.path == "vp_discrete":
-            if self.prediction == "velocity":  # its training times are exactly the kinks of its alpha
-                raise ValueError("prediction: 'velocity' is not defined on the steps of 'vp_discrete'; "
-                                 "use epsilon or x0")
-            if math.ceil(lo * self.train_steps - 1e-9) >= math.ceil(hi * self.train_steps - 1e-9):
-                raise ValueError(f"t_range: {list(self.t_range)} holds none of the steps n / {self.train_steps}")
+        b = self.t_ranges
+        if b is not None and (len(b) < 3 or b[0] != 0 or b[-1] != 1 or sorted(set(b)) != b):
+            raise ValueError(f"t_ranges: must rise strictly from 0 to 1 through at least one boundary, got {b}")
         return self
 
     def path_options(self) -> dict:
-        """What `build_path` takes beside the path's name: the discrete schedule, for vp_discrete only."""
-        if self.path != "vp_discrete":
-            return {}
+        """What `build_path` takes beside the path's name."""
+        return {}
+
+
+class ContinuousFlow(_Flow):
+    path: Literal["rectified_flow", "vp_linear", "cosine"] = "rectified_flow"
+
+
+class DiscreteFlow(_Flow):
+    """DDPM's schedule of `train_steps` steps, its betas linear (1e-4 to 0.02) or cosine."""
+
+    path: Literal["vp_discrete"] = "vp_discrete"
+    beta_schedule: Literal["linear", "cosine"] = "linear"
+    train_steps: int = Field(1000, gt=1)
+
+    @model_validator(mode="after")
+    def _check_steps(self):
+        if self.prediction == "velocity":  # its training times are exactly the kinks of its alpha
+            raise ValueError("prediction: 'velocity' is not defined on the steps of 'vp_discrete'; use epsilon or x0")
+        lo, hi = self.t_range
+        if math.ceil(lo * self.train_steps - 1e-9) >= math.ceil(hi * self.train_steps - 1e-9):
+            raise ValueError(f"t_range: {list(self.t_range)} holds none of the steps n / {self.train_steps}")
+        return self
+
+    def path_options(self) -> dict:
         return {"beta_schedule": self.beta_schedule, "train_steps": self.train_steps}
+
+
+FlowConfig = Annotated[ContinuousFlow | DiscreteFlow, Field(discriminator="path")]
+
+
+
+def _keys_by_kind(tag: str, *variants) -> dict[str, set[str]]:
+    """{kind: the keys its variant takes} for every value of the variants' `tag`."""
+    return {kind: set(cls.model_fields) for cls in variants for kind in get_args(cls.model_fields[tag].annotation)}
+
+
+# Sections with variants: the key that tells them apart, its default, and the keys each kind takes.
+VARIANTS = {
+    "data": ("source", "mnist5k", _keys_by_kind("source", Mnist5kData, FashionMnistData, FolderData, NpzData, GMMData)),
+    "model": ("arch", "unet", _keys_by_kind("arch", UNetModel, DiTModel, MLPModel, RouterModel)),
+    "flow": ("path", "rectified_flow", _keys_by_kind("path", ContinuousFlow, DiscreteFlow)),
+}
 
 
 class TrainConfig(Section):
@@ -182,6 +219,9 @@ class TrainConfig(Section):
     objective: Literal["diffusion", "router", "distill"] = "diffusion"  # router: classify noised examples by
     # cluster; distill: learn an ensemble's velocity (data.partition names the ensemble)
     teacher: Literal["cluster", "full"] = "cluster"  # distill: the expert of each image's cluster, or the mixture
+    # A run whose latest weights (its EMA, if any) start this one, instead of a random initialisation: eDiff-I's
+    # recipe for timestep-range experts (train one model on all t, then fine-tune a copy on each range).
+    init_from: str | None = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -260,14 +300,24 @@ class ParallelConfig(Section):
 class Config(Section):
     run_dir: str
     seed: int = 0
-    data: DataConfig = DataConfig()
-    model: ModelConfig = ModelConfig()
-    flow: FlowConfig = FlowConfig()
+    data: DataConfig = Field(default_factory=Mnist5kData)
+    model: ModelConfig = Field(default_factory=UNetModel)
+    flow: FlowConfig = Field(default_factory=ContinuousFlow)
     train: TrainConfig = TrainConfig()
     sample: SampleConfig = SampleConfig()
     parallel: ParallelConfig = ParallelConfig()
     eval: EvalConfig = EvalConfig()
     ddm: DDMConfig = DDMConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_kinds(cls, raw):
+        """A section that does not say its kind has the default one (a U-Net, MNIST 5k, rectified flow)."""
+        if isinstance(raw, dict):
+            for section, (tag, default, _) in VARIANTS.items():
+                if isinstance(raw.get(section), dict) and tag not in raw[section]:
+                    raw = {**raw, section: {**raw[section], tag: default}}
+        return raw
 
     @model_validator(mode="after")
     def _defaults_by_kind(self):
@@ -289,9 +339,19 @@ RESUMABLE_CHANGES = {
 
 def _format_error(err: ValidationError) -> str:
     e = err.errors()[0]
-    key = ".".join(str(p) for p in e["loc"])
+    loc, kind = list(e["loc"]), None
+    if len(loc) > 1 and loc[0] in VARIANTS and loc[1] in VARIANTS[loc[0]][2]:
+        kind = loc.pop(1)  # pydantic names the variant it tried: say which key, and of which kind
+    key = ".".join(str(p) for p in loc)
     msg = e["msg"].removeprefix("Value error, ")
-    if e["type"] == "extra_forbidden":
+    if e["type"] == "union_tag_invalid":
+        tag, _, kinds = VARIANTS[loc[0]]
+        return f"{loc[0]}.{tag}: must be one of {', '.join(map(repr, kinds))} (got {e['input'].get(tag)!r})"
+    if e["type"] == "extra_forbidden" and kind is not None:
+        tag, _, kinds = VARIANTS[loc[0]]
+        used = any(loc[-1] in keys for keys in kinds.values())
+        msg = f"not used when {tag} is {kind!r}" if used else "unknown key"
+    elif e["type"] == "extra_forbidden":
         msg = "unknown key"
     elif e["type"] == "missing":
         msg = "required key is missing"
@@ -356,12 +416,8 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
 
 
 def to_dict(cfg: Config) -> dict:
-    """The resolved config: every key the run uses, with its value; keys of other kinds left out."""
-    out = cfg.model_dump(mode="json")
-    for name in ("data", "model", "flow"):
-        for key in getattr(cfg, name).unused_keys():
-            del out[name][key]
-    return out
+    """The resolved config: every key the run uses, with its value (a variant holds only its own kind's keys)."""
+    return cfg.model_dump(mode="json")
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

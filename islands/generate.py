@@ -5,32 +5,22 @@ whatever the batch size or the number of samples asked for.
 """
 
 import contextlib
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 from tqdm import tqdm
 
-from islands.config import Config, SampleConfig, validate
+from islands.config import Config, SampleConfig
 from islands.data import streams
+from islands.errors import CheckpointError
 from islands.flow.denoiser import Denoiser, NetworkDenoiser
 from islands.flow.paths import build_path
 from islands.flow.samplers import sample
 from islands.images import save_samples_picture
 from islands.nets import build_network
-from islands.train.checkpoint import CheckpointError, latest_checkpoint, load_weights
-
-
-def describe_run(run_dir: Path) -> tuple[Config, dict]:
-    """The run's resolved config and its data description (shape, num_classes)."""
-    run_dir = Path(run_dir)
-    for name in ("config.yaml", "model.json"):
-        if not (run_dir / name).is_file():
-            raise CheckpointError(f"{run_dir} is not a run directory: {name} is missing")
-    cfg = validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    return cfg, json.loads((run_dir / "model.json").read_text())
+from islands.parallel.launch import warn_if_bf16_is_slow
+from islands.rundir import atomic_write, describe_run, latest_checkpoint, load_weights, weights_file
 
 
 def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser, Config, dict]:
@@ -39,10 +29,8 @@ def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser,
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint yet")
-    weights = ckpt / "ema.safetensors"
-    if not (use_ema and weights.exists()):
-        weights = ckpt / "model.safetensors"
-    net = network_with_weights(cfg.model, tuple(info["shape"]), info["num_classes"], load_weights(weights))
+    weights = load_weights(weights_file(ckpt, use_ema))
+    net = network_with_weights(cfg.model, tuple(info["shape"]), info["num_classes"], weights)
     path = build_path(cfg.flow.path, **cfg.flow.path_options())
     return NetworkDenoiser(net, path, cfg.flow.prediction), cfg, info
 
@@ -81,6 +69,7 @@ def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleC
     """Samples first .. first + num - 1 of the stream keyed on `seed`, in batches of opts.batch_size.
     `prepare(lo, hi, labels)`, if given, is called before the samples lo .. hi - 1 are drawn, with their labels
     (e.g. to fix each sample's expert for oracle routing)."""
+    warn_if_bf16_is_slow("sample.precision", opts.precision, device)
     out = []
     bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
     for lo in range(0, num, opts.batch_size):
@@ -107,8 +96,6 @@ def write_samples(x: torch.Tensor, labels: torch.Tensor | None, out_dir: Path) -
     arrays = {"x": x.numpy().astype(np.float32)}
     if labels is not None:
         arrays["y"] = labels.numpy()
-    tmp = out_dir / ".samples.tmp.npz"
-    np.savez(tmp, **arrays)
-    tmp.replace(out_dir / "samples.npz")
+    atomic_write(out_dir / "samples.npz", lambda f: np.savez(f, **arrays))
     picture = save_samples_picture(x[:256], out_dir / ("grid.png" if x.dim() == 4 else "scatter.png"))
     return [out_dir / "samples.npz", picture]

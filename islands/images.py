@@ -54,7 +54,7 @@ def _save_figure(fig, path: Path) -> Path:
 def save_side_by_side(pictures: dict, path: Path, title: str = "") -> Path:
     """Pictures already written (PNG), next to each other with a caption each."""
     fig, axes = _pyplot().subplots(1, len(pictures), figsize=(4 * len(pictures), 4.4), dpi=100)
-    for ax, (caption, picture) in zip(axes, pictures.items()):
+    for ax, (caption, picture) in zip(axes, pictures.items(), strict=True):
         ax.imshow(Image.open(picture).convert("RGB"))
         ax.set_title(caption)
         ax.axis("off")

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from islands.config import validate
 
@@ -14,6 +15,11 @@ def image_npz(tmp_path):
     path = tmp_path / "images.npz"
     np.savez(path, x=rng.integers(0, 256, size=(64, 1, 8, 8), dtype=np.uint8), y=np.arange(64) % 4)
     return path
+
+
+def write_config(path, cfg: dict) -> str:
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
 
 
 def tiny_unet_config(run_dir, data_path, **sections) -> dict:

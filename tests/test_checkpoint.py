@@ -5,14 +5,9 @@ import pickle
 import pytest
 import torch
 
-from islands.train.checkpoint import (
-    CheckpointError,
-    list_checkpoints,
-    load_weights,
-    read_sharded,
-    save_weights,
-    write_checkpoint,
-)
+from islands.errors import CheckpointError
+from islands.rundir import list_checkpoints, load_weights, save_weights
+from islands.train.checkpoint import read_sharded, write_checkpoint
 
 
 def test_safetensors_round_trip_keeps_values_and_dtypes(tmp_path):

@@ -6,16 +6,10 @@ import sys
 
 import numpy as np
 import pytest
-import yaml
-from conftest import poisoned_npz, tiny_unet_config
+from conftest import poisoned_npz, tiny_unet_config, write_config
 
 from islands.cli import build_parser, main
-from islands.train.checkpoint import latest_checkpoint
-
-
-def write_config(path, cfg: dict):
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
+from islands.rundir import latest_checkpoint
 
 
 def run_cli(capsys, *argv):

@@ -21,8 +21,7 @@ from islands.ddm.ensemble import file_sha256, load_ensemble, read_manifest, writ
 from islands.ddm.partition import Partition
 from islands.ddm.pipeline import sample_and_evaluate
 from islands.ddm.runs import expert_config, router_config
-from islands.errors import IslandsWarning
-from islands.train.checkpoint import CheckpointError
+from islands.errors import CheckpointError, IslandsWarning
 
 MEANS = [[2.0, 2.0], [-2.0, 2.0], [-2.0, -2.0], [2.0, -2.0]]
 WEIGHTS = [0.4, 0.3, 0.2, 0.1]
@@ -163,14 +162,15 @@ def test_the_trained_router_approaches_the_exact_posterior(ensemble):
         distances.append(0.5 * (learned - exact).abs().sum(1).mean().item())
         prior_distances.append(0.5 * (prior - exact).abs().sum(1).mean().item())
     assert max(distances) < 0.1, distances  # mean total variation to the exact p(k | x_t, t)
-    assert all(d < p / 3 for d, p in zip(distances, prior_distances)), (distances, prior_distances)
+    assert all(d < p / 3 for d, p in zip(distances, prior_distances, strict=True)), (distances, prior_distances)
     report = json.loads((root / "router" / "router_accuracy.json").read_text())
     assert report["accuracy"][0] > 0.95 and report["accuracy"][-1] < 0.6  # sharp at t ~ 0, the prior at t ~ 1
     # against the training set's exact posterior (islands.data.posterior) at t = 0.05, 0.15, ..., 0.95
     assert report["t"] == pytest.approx([0.05 + 0.1 * b for b in range(10)])
     assert max(report["tv"]) < ROUTER_TV, report["tv"]
     assert all(0 <= e < 0.1 for e in report["ece"]) and all(kl >= 0 for kl in report["kl"])
-    assert all(a <= e + 0.03 for a, e in zip(report["accuracy"], report["exact_accuracy"]))  # no router beats it
+    # no router beats the exact posterior
+    assert all(a <= e + 0.03 for a, e in zip(report["accuracy"], report["exact_accuracy"], strict=True))
 
 
 def test_a_router_from_before_the_prior_anchor_is_refused_by_name(ensemble, tmp_path, capsys):

@@ -12,12 +12,13 @@ from conftest import fashion_mnist_or_skip
 from islands.cli import main
 from islands.config import EvalConfig, validate
 from islands.data.sources import FashionMnist, Source
+from islands.errors import CheckpointError
 from islands.eval import metrics
 from islands.eval.evaluate import Evaluator, timed
 from islands.eval.features import Pixels, load_classifier, load_torch_features, train_classifier
-from islands.train.checkpoint import CheckpointError, latest_checkpoint, load_weights, save_weights
+from islands.rundir import latest_checkpoint, load_weights, save_weights
 from islands.train.logbook import read_metrics
-from islands.train.loop import train
+from islands.trainer import train
 
 
 class Subset(Source):

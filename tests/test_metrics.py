@@ -364,9 +364,9 @@ def test_mode_mass_of_true_samples_matches_the_weights():
     result = mode_mass(gmm, x)
     assert result["weights"] == pytest.approx(weights)
     assert result["mass"] == pytest.approx(torch.bincount(labels).double().div(n).tolist(), abs=1e-12)  # separated
-    for mass, w in zip(result["mass"], weights):
+    for mass, w in zip(result["mass"], weights, strict=True):
         assert mass == pytest.approx(w, abs=4 * math.sqrt(w * (1 - w) / n))
-    errors = [abs(m - w) for m, w in zip(result["mass"], weights)]
+    errors = [abs(m - w) for m, w in zip(result["mass"], weights, strict=True)]
     assert result["max_abs_error"] == pytest.approx(max(errors))
     assert result["total_variation"] == pytest.approx(0.5 * sum(errors))
 

@@ -26,20 +26,15 @@ from conftest import poisoned_npz
 from islands.config import validate
 from islands.data.loader import stream_loader
 from islands.data.sources import build_source
+from islands.errors import TrainingStopped
 from islands.nets import build_network
 from islands.parallel.ledger import bytes_sent
-from islands.train.checkpoint import (
-    adam_state,
-    checkpoint_dir,
-    latest_checkpoint,
-    list_checkpoints,
-    load_weights,
-    read_sharded,
-    read_state,
-)
+from islands.rundir import checkpoint_dir, latest_checkpoint, list_checkpoints, load_weights, read_state
+from islands.train.checkpoint import adam_state, read_sharded
 from islands.train.ema import EMA
 from islands.train.logbook import read_metrics
-from islands.train.loop import DiffusionObjective, TrainingStopped, train
+from islands.train.objectives import build_objective
+from islands.trainer import train
 
 TIMEOUT_S = 240
 
@@ -483,7 +478,7 @@ def _probe_two_ranks(rank: int, port: int, out: str) -> None:
     cfg = validate(mlp_config("unused"))
     report = {"all_finite": {}, "moments": {}}
     for flags in itertools.product([True, False], repeat=2):  # (rank 0's verdict, rank 1's)
-        report["all_finite"][str(flags)] = STRATEGIES["ddp"](world).all_finite(flags[rank])
+        report["all_finite"][str(flags)] = world.all_finite(flags[rank])
 
     issued = []  # every broadcast ZeroRedundancyOptimizer makes, seen below the strategy's own counting
     real_broadcast = dist.broadcast
@@ -630,7 +625,7 @@ def test_a_loss_non_finite_on_one_rank_only_skips_the_step_on_both_and_max_nonfi
     x, labels, positions = next(itertools.islice(stream_loader(source, 32, seed, rank=1, world=2), 2, None))
     torch.manual_seed(seed)
     net = build_network(cfg.model, (2,), 3)
-    loss = DiffusionObjective(cfg, 3)(net, x, labels, positions).mean()
+    loss = build_objective(cfg, 3)(net, x, labels, positions).mean()
     loss.backward()
     assert not torch.isfinite(loss) and torch.isfinite(torch.nn.utils.clip_grad_norm_(net.parameters(), math.inf))
 

@@ -16,7 +16,8 @@ from islands.flow.paths import Cosine, VPDiscrete, build_path
 from islands.flow.samplers import sample
 from islands.flow.timesteps import TimeSampler
 from islands.generate import load_denoiser
-from islands.train.loop import DiffusionObjective, train
+from islands.train.objectives import build_objective
+from islands.trainer import train
 
 N = 1000
 DIFFUSERS_SCHEDULE = {"linear": "linear", "cosine": "squaredcos_cap_v2"}
@@ -174,7 +175,7 @@ def test_training_on_the_discrete_schedule_draws_integer_steps(kind):
         seen.append(tau.clone())
         return torch.zeros_like(x)
 
-    objective = DiffusionObjective(cfg, num_classes=0)
+    objective = build_objective(cfg, num_classes=0)
     count = 4000
     objective(net, torch.zeros(count, 2), torch.zeros(count, dtype=torch.long), torch.arange(count))
     steps = seen[0].double() * 10

@@ -12,7 +12,7 @@ from islands.data.gmm import GaussianMixture
 from islands.data.posterior import ExactPosterior
 from islands.data.sources import DataError
 from islands.nets.router import MLPRouter, TransformerRouter
-from islands.train.router import calibration
+from islands.train.objectives import calibration
 
 MIXTURE = GaussianMixture([[2.0, 2.0], [-2.0, 2.0], [-2.0, -2.0], [2.0, -2.0]], 0.4, [0.4, 0.3, 0.2, 0.1])
 

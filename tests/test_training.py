@@ -6,13 +6,14 @@ from conftest import tiny_unet
 
 from islands.config import load_config, validate
 from islands.data.gmm import GaussianMixture
+from islands.errors import TrainingStopped
 from islands.generate import generate, load_denoiser
 from islands.nets import build_network
-from islands.train import loop
-from islands.train.checkpoint import latest_checkpoint, list_checkpoints, load_weights, read_state, read_trainer
+from islands.rundir import latest_checkpoint, list_checkpoints, load_weights, read_state, read_trainer
+from islands.train import objectives
 from islands.train.ema import EMA
 from islands.train.logbook import read_metrics
-from islands.train.loop import TrainingStopped, train
+from islands.trainer import train
 
 
 def test_the_defaults_learn_the_weights_of_16_narrow_unequal_modes(tmp_path):
@@ -118,7 +119,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, image_npz):
 
 def test_non_finite_steps_are_skipped_then_the_run_stops_keeping_the_last_good_checkpoint(
         tmp_path, image_npz, monkeypatch):
-    real_loss = loop.training_loss
+    real_loss = objectives.training_loss
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -128,7 +129,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_keeping_the_last_good_c
         calls["n"] += 1  # 2 micro-batches per step: steps 7+ are poisoned, after the checkpoint at image 48
         return loss * float("nan") if calls["n"] > 12 else loss
 
-    monkeypatch.setattr(loop, "training_loss", poisoned)
+    monkeypatch.setattr(objectives, "training_loss", poisoned)
     cfg = tiny_unet(tmp_path / "nan", image_npz, train={"max_nonfinite": 3})
     with pytest.raises(TrainingStopped, match="3 steps in a row with non-finite.*000000000048"):
         train(cfg, progress=False)
@@ -138,7 +139,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_keeping_the_last_good_c
 
 
 def test_one_skipped_step_is_counted_and_training_goes_on(tmp_path, image_npz, monkeypatch):
-    real_loss = loop.training_loss
+    real_loss = objectives.training_loss
     calls = {"n": 0}
 
     def one_bad_step(*args, **kwargs):
@@ -148,7 +149,7 @@ def test_one_skipped_step_is_counted_and_training_goes_on(tmp_path, image_npz, m
         calls["n"] += 1
         return loss * float("inf") if calls["n"] in (3, 4) else loss
 
-    monkeypatch.setattr(loop, "training_loss", one_bad_step)
+    monkeypatch.setattr(objectives, "training_loss", one_bad_step)
     run_dir = train(tiny_unet(tmp_path / "skip", image_npz), progress=False)
     state = read_state(latest_checkpoint(run_dir))["progress"]
     assert state["skipped"] == 1 and state["images"] == 96
@@ -173,7 +174,7 @@ def test_ema_follows_the_half_life_formula():
 
 def test_activation_checkpointing_gives_the_same_gradients_and_keys(tmp_path, image_npz):
     from islands.nets.unet import UNet
-    from islands.train.activation_checkpointing import checkpoint_blocks
+    from islands.parallel.activation_checkpointing import checkpoint_blocks
 
     torch.manual_seed(0)
     plain = UNet(1, 8, channels=8, channel_mult=(1, 2), num_res_blocks=1, attention_resolutions=(4,))
@@ -184,7 +185,7 @@ def test_activation_checkpointing_gives_the_same_gradients_and_keys(tmp_path, im
     x, t = torch.randn(4, 1, 8, 8), torch.rand(4)
     for net in (plain, wrapped):
         net(x, t).square().mean().backward()
-    for (name, p), q in zip(plain.named_parameters(), wrapped.parameters()):
+    for (name, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, atol=1e-6), name
     # the wrapper really recomputes: a layer inside a block runs twice per step, once more in backward
     calls = []
@@ -252,4 +253,4 @@ def test_flop_count_equals_the_matmul_count_of_a_known_network():
     net = build_network(cfg.model, (2,), 0)
     linear = {n: m.in_features * m.out_features for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
     expected = 6 * sum(linear.values()) - 2 * (linear["proj_in"] + linear["embed.time.mlp.0"])
-    assert flops_per_image(cfg, (2,), 0, loop.DiffusionObjective(cfg, 0), micro_batch=8) == expected
+    assert flops_per_image(cfg.model, (2,), 0, objectives.build_objective(cfg, 0), micro_batch=8) == expected

@@ -17,12 +17,9 @@ def build_data(cfg, seed: int) -> Source:
 def _build_source(cfg, seed: int) -> Source:
     if cfg.source == "gmm":
         return GMMSource(cfg.means, cfg.std, cfg.weights, size=cfg.size, seed=seed)
-    options = {
-        "mnist5k": {"resolution": cfg.resolution},
-        "fashion_mnist": {"split": cfg.split, "resolution": cfg.resolution, **({"path": cfg.path} if cfg.path else {})},
-        "folder": {"path": cfg.path, "resolution": cfg.resolution, "channels": cfg.channels},
-        "npz": {"path": cfg.path, "key": cfg.key, "label_key": cfg.label_key, "resolution": cfg.resolution},
-    }[cfg.source]
+    options = cfg.model_dump(exclude={"source", "flip", "workers", "partition", "cluster"})  # the source's own keys
+    if cfg.source == "fashion_mnist" and options["path"] is None:
+        del options["path"]  # the source's default place
     return build_source(cfg.source, **options)
 
 

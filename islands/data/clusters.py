@@ -7,17 +7,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from islands.data.sources import DataError, Source
+from islands.data.sources import Source
+from islands.errors import DataError
+from islands.rundir import read_npz
 
 
 def read_clusters(partition_dir: str | Path, num_examples: int) -> np.ndarray:
     """The cluster of every example, from assignments.npz (read without unpickling)."""
     path = Path(partition_dir) / "assignments.npz"
     try:
-        with np.load(path, allow_pickle=False) as f:
-            cluster = np.asarray(f["cluster"], dtype=np.int64)
-    except (OSError, ValueError, KeyError) as err:
+        arrays = read_npz(path, ("cluster",), required=("cluster",))
+    except ValueError as err:
         raise DataError(f"cannot read partition {path}: {err}; run 'islands partition' first") from None
+    cluster = np.asarray(arrays["cluster"], dtype=np.int64)
     if cluster.shape != (num_examples,):
         raise DataError(f"partition {path} assigns {cluster.shape[0]} examples, the data has {num_examples}")
     return cluster

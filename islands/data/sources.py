@@ -19,7 +19,6 @@ that names the file and what is wrong.
 import gzip
 import importlib.util
 import os
-import zipfile
 import zlib
 from abc import ABC, abstractmethod
 from typing import ClassVar
@@ -29,12 +28,11 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 
+from islands.errors import DataError
+from islands.rundir import read_npz
+
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
-
-
-class DataError(ValueError):
-    """An input file is missing, unreadable or does not hold what we expect."""
 
 
 class Source(ABC):
@@ -49,7 +47,7 @@ class Source(ABC):
     def get(self, indices):
         """indices: int array -> (float32 (n, *shape), int64 (n,) or None)."""
 
-    def check(self):
+    def check(self):  # noqa: B027 -- a hook that only file-backed sources fill in
         """Decode everything once so bad files fail now rather than mid-training.
         In-memory sources were fully validated at load, so nothing to do."""
 
@@ -403,21 +401,12 @@ class ArrayFile(_ArraySource):
         """-> (x, labels or None). allow_pickle=False: an array file must never
         be able to run code; object arrays are refused instead."""
         try:
-            loaded = np.load(path, allow_pickle=False)
-        except (OSError, EOFError, ValueError, zipfile.BadZipFile) as e:
-            raise DataError(f"array file {path}: cannot load: {e}") from None
-        if isinstance(loaded, np.ndarray):  # a plain .npy holds x only
-            return loaded, None
-        with loaded as f:  # NpzFile: arrays are read on access, and errors surface then
-            if key not in f.files:
-                raise DataError(f"array file {path}: no key '{key}'; available keys: "
-                                f"{', '.join(f.files) or '(none)'}")
-            try:
-                x = f[key]
-                labels = f[label_key] if label_key and label_key in f.files else None
-            except (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error) as e:
-                raise DataError(f"array file {path}: cannot load: {e}") from None
-        return x, labels
+            arrays = read_npz(path, (key, label_key), required=(key,), bare=True)
+        except ValueError as e:
+            raise DataError(f"array file {path}: {e}") from None
+        if "" in arrays:  # a plain .npy holds x only
+            return arrays[""], None
+        return arrays[key], arrays.get(label_key) if label_key else None
 
 
 # -----------------------------------------------------------------------------

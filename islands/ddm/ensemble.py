@@ -13,18 +13,17 @@ import warnings
 from pathlib import Path
 
 import torch
-import yaml
 from safetensors import SafetensorError, safe_open
 
 from islands.config import Config, to_dict, validate
 from islands.ddm.mixture import DEFAULT_ROUTING, ExpertSlot, Mixture, PriorRouter, parse_routing
 from islands.ddm.runs import ensemble_dir, expert_dir, partition_dir, router_dir
-from islands.errors import IslandsWarning
+from islands.errors import CheckpointError, IslandsWarning
 from islands.flow.denoiser import NetworkDenoiser
 from islands.flow.paths import PATH_OPTIONS, build_path
 from islands.generate import network_with_weights
 from islands.nets.router import route
-from islands.train.checkpoint import CheckpointError, latest_checkpoint, load_weights
+from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, load_weights, weights_file
 
 MANIFEST = "ensemble.json"
 
@@ -43,9 +42,8 @@ def _entry(root: Path, run: Path, name: str) -> dict:
     ckpt = latest_checkpoint(run)
     if ckpt is None:
         return entry  # never finished (or never started): listed, and skipped when sampling
-    weights = ckpt / "ema.safetensors" if (ckpt / "ema.safetensors").exists() else ckpt / "model.safetensors"
-    cfg = validate(yaml.safe_load((run / "config.yaml").read_text()))
-    info = json.loads((run / "model.json").read_text())
+    weights = weights_file(ckpt)
+    cfg, info = describe_run(run)
     entry.update(weights=str(weights.relative_to(root)), sha256=file_sha256(weights), images=int(ckpt.name),
                  path=cfg.flow.path, **cfg.flow.path_options(), prediction=cfg.flow.prediction,
                  model=to_dict(cfg)["model"], **info)
@@ -65,9 +63,7 @@ def write_manifest(cfg: Config) -> dict:
     if partition.get("sizes_by_class"):  # p(cluster | class), for ancestral routing of class-conditional samples
         manifest["prior_by_class"] = [[c / sum(row) for c in row] if sum(row) else prior
                                       for row in partition["sizes_by_class"]]
-    tmp = root / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.replace(root / MANIFEST)
+    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=1))
     return manifest
 
 

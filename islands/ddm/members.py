@@ -16,11 +16,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from islands.errors import MemberFailed
+
 CONFIG = "config.yaml"  # the ensemble's resolved config, in the ensemble folder
-
-
-class MemberFailed(RuntimeError):
-    """A member's process exited non-zero. Not a config error: every member's config was derived before any started."""
 
 
 @dataclass(frozen=True)

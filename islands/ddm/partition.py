@@ -13,9 +13,6 @@ back with allow_pickle=False.
 """
 
 import json
-import os
-import zipfile
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +24,7 @@ from islands.config import ConfigError
 from islands.data.sources import Source
 from islands.eval.features import Features, Pixels, data_fingerprint
 from islands.images import save_grid
+from islands.rundir import atomic_write, atomic_write_text, read_npz
 
 METHODS = ("kmeans", "random", "label")
 META_FILE, ARRAYS_FILE = "partition.json", "assignments.npz"
@@ -75,14 +73,14 @@ def _balanced_assign(x: torch.Tensor, centroids: torch.Tensor, weights: torch.Te
     assignment = np.full(n, -1, dtype=np.int64)
     for lo in range(0, n, step):
         block = order[lo:lo + step]
-        for i, row in zip(block, _sq_distances(x[block], centroids).numpy()):
+        for i, row in zip(block, _sq_distances(x[block], centroids).numpy(), strict=True):
             room = load + w[i] <= capacity
             if room.any():
                 j = int(np.where(room, row, np.inf).argmin())
                 assignment[i], load[j] = j, load[j] + w[i]
     leftover = np.flatnonzero(assignment < 0)
     leftover = leftover[np.argsort(-w[leftover], kind="stable")]  # heaviest first
-    for i, row in zip(leftover, _sq_distances(x[leftover], centroids).numpy()):
+    for i, row in zip(leftover, _sq_distances(x[leftover], centroids).numpy(), strict=True):
         j = int(np.where(load == load.min(), row, np.inf).argmin())
         assignment[i], load[j] = j, load[j] + w[i]
     return torch.from_numpy(assignment)
@@ -208,7 +206,8 @@ class Partition:
     sizes_by_class: list[list[int]] | None = None  # [class][cluster] counts, for labelled data
 
     def __post_init__(self):
-        if self.sizes_by_class is not None and ([sum(col) for col in zip(*self.sizes_by_class)] != list(self.sizes)):
+        totals = None if self.sizes_by_class is None else [sum(col) for col in zip(*self.sizes_by_class, strict=True)]
+        if totals is not None and totals != list(self.sizes):
             raise PartitionError(f"sizes_by_class does not add up to the cluster sizes {self.sizes}")
 
     def members(self, index: int) -> np.ndarray:
@@ -231,8 +230,8 @@ class Partition:
         meta = {key: getattr(self, key) for key in META_KEYS} | {"n": len(self.cluster)}
         if self.sizes_by_class is not None:
             meta["sizes_by_class"] = self.sizes_by_class
-        _write_atomically(directory / ARRAYS_FILE, lambda f: np.savez(f, **arrays))
-        _write_atomically(directory / META_FILE, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        atomic_write(directory / ARRAYS_FILE, lambda f: np.savez(f, **arrays))
+        atomic_write_text(directory / META_FILE, json.dumps(meta, indent=1))
         return directory
 
     @classmethod
@@ -246,13 +245,9 @@ class Partition:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise PartitionError(f"cannot read {meta_path}: {type(err).__name__}: {err}") from None
         try:
-            archive = np.load(arrays_path, allow_pickle=False)
-            if not isinstance(archive, np.lib.npyio.NpzFile):
-                raise ValueError("a bare array, not an .npz archive")
-            with archive:
-                arrays = {name: archive[name] for name in ARRAY_NAMES}
-        except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, zlib.error) as err:
-            raise PartitionError(f"cannot read {arrays_path}: {type(err).__name__}: {err}") from None
+            arrays = read_npz(arrays_path, ARRAY_NAMES, required=ARRAY_NAMES)
+        except ValueError as err:
+            raise PartitionError(f"cannot read {arrays_path}: {err}") from None
         cluster, k, sizes = arrays["cluster"], fields["k"], fields["sizes"]
         if not (cluster.dtype == np.int64 and cluster.shape == (n,) and isinstance(k, int) and (cluster >= 0).all()
                 and np.bincount(cluster, minlength=k).tolist() == sizes):
@@ -262,16 +257,6 @@ class Partition:
             return cls(**fields, **arrays)
         except (PartitionError, TypeError) as err:
             raise PartitionError(f"{meta_path}: {err}") from None
-
-
-def _write_atomically(path: Path, write) -> None:
-    """write(file) into a temporary sibling, flushed to disk, then renamed over `path`."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _labels(source: Source) -> np.ndarray:

@@ -30,9 +30,9 @@ from islands.eval.evaluate import Evaluator, build_features, format_table, gener
 from islands.flow.samplers import evaluations_per_sample
 from islands.generate import load_denoiser
 from islands.images import save_samples_picture, save_side_by_side
-from islands.train.checkpoint import latest_checkpoint
+from islands.rundir import describe_run, latest_checkpoint, prepare_run_dir
 from islands.train.flops import flops_per_image
-from islands.train.loop import DiffusionObjective, prepare_run_dir
+from islands.train.objectives import build_objective
 
 
 def whole_data(cfg: Config):
@@ -83,10 +83,11 @@ def monolith_images(cfg: Config) -> int:
     their flops.json) over the monolith's FLOPs per image. At compute parity the experts alone cost the config's
     train.images; the router buys the monolith a few percent more."""
     mono = monolith_config(cfg)
-    info = json.loads((expert_dir(cfg, 0) / "model.json").read_text())
+    info = describe_run(expert_dir(cfg, 0))[1]
     shape, num_classes = tuple(info["shape"]), info["num_classes"]
     micro = mono.train.batch_size // mono.train.accumulate
-    per_image = flops_per_image(mono, shape, num_classes, DiffusionObjective(mono, num_classes), micro)
+    per_image = flops_per_image(mono.model, shape, num_classes, build_objective(mono, num_classes), micro,
+                                checkpointing=mono.train.activation_checkpointing)
     return max(cfg.train.images, math.ceil(ensemble_training_flops(cfg) / per_image))
 
 

@@ -9,7 +9,6 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -17,6 +16,7 @@ from islands.config import ConfigError, EvalConfig, SampleConfig, revalidate
 from islands.data import build_data
 from islands.data.gmm import GMMSource
 from islands.data.sources import Source
+from islands.errors import CheckpointError
 from islands.eval import exact, metrics
 from islands.eval.features import (
     ClassifierFeatures,
@@ -28,8 +28,8 @@ from islands.eval.features import (
     load_torch_features,
 )
 from islands.flow.denoiser import Denoiser
-from islands.generate import describe_run, generate, load_denoiser, sample_labels
-from islands.train.checkpoint import CheckpointError, latest_checkpoint
+from islands.generate import generate, load_denoiser, sample_labels
+from islands.rundir import atomic_write_text, describe_run, is_run_dir, latest_checkpoint, read_npz
 
 SAMPLE_METRICS = ("fd", "kid", "precision_recall", "density_coverage", "class_balance")  # from samples alone
 EXACT_METRICS = ("nll", "swd", "mode_mass")  # Gaussian mixtures, from samples alone
@@ -173,10 +173,10 @@ def timed(batches, clock: dict):
 def from_file(path: Path, batch: int = 512):
     """Batches of (x, y) from a samples.npz written by `islands sample` (read without unpickling)."""
     try:
-        with np.load(path, allow_pickle=False) as data:
-            x, y = torch.from_numpy(data["x"]).float(), torch.from_numpy(data["y"]) if "y" in data else None
-    except (OSError, ValueError, KeyError) as err:
+        data = read_npz(path, ("x", "y"), required=("x",))
+    except ValueError as err:
         raise CheckpointError(f"cannot read samples file {path}: {err}") from None
+    x, y = torch.from_numpy(data["x"]).float(), torch.from_numpy(data["y"]) if "y" in data else None
     for lo in range(0, len(x), batch):
         yield x[lo:lo + batch], None if y is None else y[lo:lo + batch]
 
@@ -184,7 +184,7 @@ def from_file(path: Path, batch: int = 512):
 def find_run(path: Path) -> Path:
     """The run directory a samples.npz came from: the nearest parent holding config.yaml and model.json."""
     for parent in [path.parent, *path.parents]:
-        if (parent / "config.yaml").is_file() and (parent / "model.json").is_file():
+        if is_run_dir(parent):
             return parent
     raise CheckpointError(f"{path}: no run directory above it; pass --run RUN_DIR to name the data to compare with")
 
@@ -226,9 +226,7 @@ def record(path: Path, key: str, result: dict) -> dict:
     """Add one evaluation to metrics.json under `key`, keeping the others (written whole, then renamed)."""
     found = json.loads(path.read_text()) if path.exists() else {}
     found[key] = result
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(found, indent=1))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(found, indent=1))
     return result
 
 

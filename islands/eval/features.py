@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from islands.config import ConfigError
 from islands.data.sources import Source
-from islands.train.checkpoint import CheckpointError, load_weights, save_weights
+from islands.errors import CheckpointError
+from islands.rundir import load_weights, save_weights
 
 BATCH = 512
 
@@ -145,9 +146,7 @@ def load_classifier(source: Source, seed: int = 0, epochs: int = 2, progress: bo
             return ClassifierFeatures(net, fingerprint, seed)
     net = train_classifier(source, seed, epochs, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_weights(net.state_dict(), tmp, {"data_sha256": fingerprint, "seed": seed, "epochs": epochs})
-    tmp.replace(path)
+    save_weights(net.state_dict(), path, {"data_sha256": fingerprint, "seed": seed, "epochs": epochs})
     return ClassifierFeatures(net, fingerprint, seed)
 
 

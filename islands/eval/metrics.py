@@ -5,12 +5,13 @@ vectors for toy data); everything is computed in float64 on the CPU. Matrix squa
 eigendecompositions, so nothing beyond numpy and torch is needed.
 """
 
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from islands.rundir import atomic_write, read_npz
 
 # Rows of the query set per torch.cdist call: 1024 x 10k distances are 80 MB in float64.
 DISTANCE_CHUNK = 1024
@@ -35,23 +36,19 @@ class GaussianStats:
     count: int
 
     def save(self, path) -> None:
-        """Write an .npz at exactly `path` (np.savez would append .npz to a bare name)."""
-        with open(path, "wb") as file:
-            np.savez(file, mean=self.mean, cov=self.cov, count=np.int64(self.count))
+        """Write an .npz at exactly `path` (np.savez would append .npz to a bare name), whole or not at all."""
+        atomic_write(path, lambda file: np.savez(file, mean=self.mean, cov=self.cov, count=np.int64(self.count)))
 
     @classmethod
     def load(cls, path) -> "GaussianStats":
         """Read what `save` wrote; never unpickles. Anything else raises ValueError naming the file."""
         try:
-            archive = np.load(path, allow_pickle=False)
-            if not isinstance(archive, np.lib.npyio.NpzFile):
-                raise ValueError("not an .npz archive")
-            with archive:
-                mean, cov, count = archive["mean"], archive["cov"], archive["count"]
+            arrays = read_npz(path, ("mean", "cov", "count"), required=("mean", "cov", "count"))
+            mean, cov, count = arrays["mean"], arrays["cov"], arrays["count"]
             dim = mean.shape[0] if mean.ndim == 1 else -1
             if cov.shape != (dim, dim) or count.shape != () or not np.issubdtype(count.dtype, np.integer):
                 raise ValueError(f"inconsistent shapes mean {mean.shape}, cov {cov.shape}, count {count.shape}")
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+        except ValueError as err:
             reason = " ".join(f"{type(err).__name__}: {err}".split())
             raise ValueError(f"cannot read Gaussian stats from {Path(path)}: {reason}") from None
         return cls(mean.astype(np.float64), cov.astype(np.float64), int(count))

@@ -6,11 +6,14 @@ them the run is a single process and nothing is initialised.
 
 import gc
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from islands.errors import IslandsWarning
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,26 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.size > 1
+
+    def all_finite(self, flag: bool) -> bool:
+        """Whether every rank saw a finite step: all ranks must skip a step together."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    def mean(self, values: list[float]) -> list[float]:
+        """Logged scalars averaged over ranks."""
+        if not self.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return (t / self.size).tolist()
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
 
 
 def _store(rank: int, size: int, timeout: timedelta) -> dist.Store:
@@ -59,6 +82,25 @@ def init_world(timeout_s: float = 600.0) -> World:
         dist.init_process_group(backend, store=_store(rank, size, timeout), rank=rank, world_size=size,
                                 timeout=timeout)
     return World(rank=rank, size=size, local_rank=local_rank, device=device)
+
+
+def bf16_is_native(device: torch.device | str) -> bool:
+    """Whether bf16 matmuls and convolutions run in hardware on `device`. Where a CPU has neither AVX512-BF16 nor
+    AMX they are emulated, and bf16 autocast is about ten times slower than fp32 (a U-Net step of 16 images on an
+    AVX2 EPYC: 4.5 s in bf16, 0.46 s in fp32)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return True
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(probe() for probe in probes if probe is not None)
+
+
+def warn_if_bf16_is_slow(key: str, precision: str, device: torch.device | str) -> None:
+    if precision == "bf16" and not bf16_is_native(device):
+        warnings.warn(IslandsWarning(f"{key}: bf16 is emulated on this CPU (no AVX512-BF16 or AMX), about 10x slower "
+                                     f"than fp32; set {key}=fp32"), stacklevel=2)
 
 
 def close_world() -> None:

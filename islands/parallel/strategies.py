@@ -1,4 +1,9 @@
-"""Parallel strategies, applied to a built network from outside; the loop only calls these methods.
+"""Parallel strategies, applied to a built network from outside; the trainer only calls these methods.
+
+A strategy wraps the network (activation checkpointing, then torch.compile, then sharding: torchtitan's order),
+owns the forward and backward of one optimizer step (`forward_backward`) and may act after the optimizer has
+stepped (`after_step`), so that strategies which schedule micro-batches or synchronise every few steps replace a
+method instead of forking the loop.
 
 none   one process.
 ddp    data parallel (DistributedDataParallel), optional fp16/bf16 gradient compression.
@@ -22,7 +27,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from islands.config import ConfigError
+from islands.parallel.activation_checkpointing import checkpoint_blocks
 from islands.parallel.launch import World
 from islands.parallel.ledger import Ledger
 
@@ -35,22 +40,50 @@ def compile_blocks(net: nn.Module) -> None:
 
 
 class Strategy:
-    """Single process: wrapping is the identity (but for compilation) and there is nothing to synchronise."""
+    """Single process: wrapping is the identity (but for checkpointing and compilation) and there is nothing to
+    synchronise."""
 
     name = "none"
 
-    def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False):
+    def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False,
+                 activation_checkpointing: bool = False):
         self.world = world
         self.ledger = Ledger(world.size)
         self.compression = compression
         self.precision = precision
         self.compile = compile
+        self.activation_checkpointing = activation_checkpointing
 
     def wrap(self, net: nn.Module) -> nn.Module:
-        """Return what the loop calls; `net` itself stays the module whose parameters are optimized."""
+        """Return what the trainer calls; `net` itself stays the module whose parameters are optimized."""
+        if self.activation_checkpointing:
+            checkpoint_blocks(net)
         if self.compile:
             compile_blocks(net)
         return net
+
+    def autocast(self):
+        """The step's mixed precision: bf16 or fp16 autocast of the network's matmuls and convolutions."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.world.device.type, dtype=dtype)
+
+    def forward_backward(self, model: nn.Module, loss, micro_batches: list, scaler) -> torch.Tensor:
+        """Gradients of one optimizer step: `loss(model, *micro_batch)` (per example) over the micro-batches, scaled
+        by `scaler` and by 1 / their number, synchronised once, on the last one. -> the step's mean loss."""
+        total = torch.zeros((), device=self.world.device)
+        for i, batch in enumerate(micro_batches):
+            sync = contextlib.nullcontext() if i == len(micro_batches) - 1 else self.no_sync(model)
+            with sync:
+                with self.autocast():
+                    value = loss(model, *batch).mean()
+                scaler.scale(value / len(micro_batches)).backward()
+            total += value.detach() / len(micro_batches)
+        return total
+
+    def after_step(self, images: int) -> None:
+        """Called after every optimizer step, with the images consumed so far (an outer step may happen here)."""
 
     def optimizer(self, net: nn.Module, **adamw) -> torch.optim.Optimizer:
         return torch.optim.AdamW(net.parameters(), **adamw)
@@ -70,37 +103,11 @@ class Strategy:
         """Whole tensors on the CPU (a collective under sharding: every rank must call it)."""
         return {k: v.detach().cpu() for k, v in state.items()}
 
-    def all_finite(self, flag: bool) -> bool:
-        """Whether every rank saw a finite step: all ranks must skip a step together."""
-        return flag
-
-    def mean(self, values: list[float]) -> list[float]:
-        """Average logged scalars over ranks."""
-        return values
-
-    def barrier(self) -> None:
-        pass
-
     def check_consistency(self, net: nn.Module) -> None:
         """Every rank holds the same weights (replicated strategies only); raises if not."""
 
 
-class _Distributed(Strategy):
-    def all_finite(self, flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0])
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return bool(t.item())
-
-    def mean(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
-        return (t / self.world.size).tolist()
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-
-class DDPStrategy(_Distributed):
+class DDPStrategy(Strategy):
     name = "ddp"
 
     def wrap(self, net: nn.Module) -> nn.Module:
@@ -122,7 +129,7 @@ class DDPStrategy(_Distributed):
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
         if not torch.equal(low, high):
-            names = [n for (n, _), differs in zip(net.named_parameters(), (low != high).any(1)) if differs]
+            names = [n for (n, _), differs in zip(net.named_parameters(), (low != high).any(1), strict=True) if differs]
             raise RuntimeError(f"ranks hold different weights after a checkpoint: {', '.join(names[:5])}")
 
 
@@ -173,7 +180,7 @@ def _counting_broadcasts(ledger: Ledger):
 _WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class FSDPStrategy(_Distributed):
+class FSDPStrategy(Strategy):
     name = "fsdp"
     reshard_after_forward = True
 
@@ -260,12 +267,12 @@ STRATEGIES = {"none": Strategy, "ddp": DDPStrategy, "zero1": Zero1Strategy, "zer
 
 
 def build_strategy(name: str, world: World, compression: str = "none", precision: str = "fp32",
-                   compile: bool = False) -> Strategy:
+                   compile: bool = False, activation_checkpointing: bool = False) -> Strategy:
     if name == "none" and world.distributed:
-        raise ConfigError("parallel.strategy: 'none' cannot run with several ranks; choose ddp")
+        raise ValueError("parallel.strategy: 'none' cannot run with several ranks; choose ddp")
     if name != "none" and not dist.is_initialized():
-        raise ConfigError(f"parallel.strategy: {name!r} needs a process group; launch with torchrun")
+        raise ValueError(f"parallel.strategy: {name!r} needs a process group; launch with torchrun")
     if name in ("fsdp", "zero2") and precision == "fp16":
         # GradScaler would find infinities in each rank's shard separately and let the scales drift apart.
-        raise ConfigError(f"train.precision: fp16 loss scaling is not supported with {name}; use bf16")
-    return STRATEGIES[name](world, compression, precision, compile)
+        raise ValueError(f"train.precision: fp16 loss scaling is not supported with {name}; use bf16")
+    return STRATEGIES[name](world, compression, precision, compile, activation_checkpointing)

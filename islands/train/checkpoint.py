@@ -1,13 +1,7 @@
-"""Checkpoints that are either complete or ignored, and nothing that needs unpickling foreign data.
+"""Checkpoints that are either complete or ignored (their layout: islands/rundir.py).
 
-Layout of one checkpoint, `RUN_DIR/checkpoints/<images, 12 digits>/`:
-  sharded/            weights, EMA and optimizer state as each rank held them, through
-                      torch.distributed.checkpoint: what a resume reads, at any world size
-  model.safetensors   the whole weights        ema.safetensors   the averaged weights (if any)
-                      (exports: the same whatever strategy trained them; what sampling reads)
-  trainer.pt          our own loss-scaler and RNG state (loaded with weights_only=True)
-  state.json          counters                 complete          the marker written last
-Every rank writes its shards into a temporary folder, which rank 0 renames into place only when whole.
+Every rank writes its shards (torch.distributed.checkpoint) into a temporary folder, which rank 0 fills with the
+whole weights, the trainer's state and the counters, marks complete and renames into place only when whole.
 """
 
 import json
@@ -16,16 +10,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
+from islands.errors import CheckpointError
 from islands.parallel.distributed_checkpoint import UnsafeCheckpoint, load_sharded, save_sharded
-
-MARKER = "complete"
-
-
-class CheckpointError(ValueError):
-    pass
+from islands.rundir import MARKER, checkpoint_dir, list_checkpoints, save_weights
 
 
 def _fsync_dir(path: Path) -> None:
@@ -34,37 +22,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def save_weights(state_dict: dict, path: Path, metadata: dict | None = None) -> None:
-    """Contiguous CPU copies, so views and shared storage serialise cleanly."""
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    save_file(tensors, str(path), metadata={k: str(v) for k, v in (metadata or {}).items()})
-
-
-def load_weights(path: Path) -> dict:
-    """Read a safetensors file; anything else (a pickle, a truncated file) is refused by name."""
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"cannot read weights file {path}: not a valid safetensors file ({err})") from None
-
-
-def checkpoint_dir(run_dir: Path, images: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"{images:012d}"
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first; folders without the marker do not count."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.name.isdigit() and (p / MARKER).exists())
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
 
 
 def write_checkpoint(run_dir: Path, images: int, sharded: dict, exports: dict, trainer: dict, state: dict,
@@ -120,11 +77,3 @@ def read_sharded(ckpt: Path, state: dict) -> None:
         load_sharded(state, ckpt / "sharded")
     except UnsafeCheckpoint as err:
         raise CheckpointError(str(err)) from None
-
-
-def read_state(ckpt: Path) -> dict:
-    return json.loads((ckpt / "state.json").read_text())
-
-
-def read_trainer(ckpt: Path) -> dict:
-    return torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=True)

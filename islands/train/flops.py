@@ -14,21 +14,25 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from islands.nets import build_network
-from islands.train.activation_checkpointing import checkpoint_blocks
+from islands.parallel.activation_checkpointing import checkpoint_blocks
 
 
-def flops_per_image(cfg, shape: tuple, num_classes: int, objective, micro_batch: int, device="cpu") -> float:
+def flops_per_image(model, shape: tuple, num_classes: int, objective, micro_batch: int, device="cpu",
+                    checkpointing: bool = False) -> float:
+    """FLOPs of one training step of the network `model` (a model config) per image, at micro-batch `micro_batch`,
+    with activation checkpointing's recomputation if `checkpointing`."""
+    replay = (model, shape, num_classes, objective, micro_batch, checkpointing)
     try:
-        return _replay(cfg, shape, num_classes, objective, micro_batch, torch.device("meta"))
+        return _replay(*replay, torch.device("meta"))
     except (RuntimeError, NotImplementedError):  # an op without a meta kernel: count on real tensors instead
-        return _replay(cfg, shape, num_classes, objective, micro_batch, torch.device(device))
+        return _replay(*replay, torch.device(device))
 
 
-def _replay(cfg, shape, num_classes, objective, micro_batch, device) -> float:
+def _replay(model, shape, num_classes, objective, micro_batch, checkpointing, device) -> float:
     with torch.random.fork_rng():
         with device:
-            net = build_network(cfg.model, shape, num_classes)
-        if cfg.train.activation_checkpointing:
+            net = build_network(model, shape, num_classes)
+        if checkpointing:
             checkpoint_blocks(net)
         x = torch.zeros(micro_batch, *shape, device=device)
         labels = torch.zeros(micro_batch, dtype=torch.long, device=device)

@@ -1,0 +1,174 @@
+"""The run directory: its layout, the one way to write a file into it, and safe readers for what it holds.
+
+RUN_DIR/
+  config.yaml           the resolved config (every key the run uses)
+  model.json            what the network was built for: {"shape": [...], "num_classes": n}
+  flops.json            training FLOPs (islands/train/flops.py)
+  metrics.jsonl, eval.jsonl, tensorboard/, samples/, router_accuracy.json
+  checkpoints/<images, 12 digits>/
+      sharded/          each rank's tensors through torch.distributed.checkpoint: what a resume reads
+      model.safetensors the whole weights         ema.safetensors   the averaged weights (if any)
+      trainer.pt        loss-scaler and RNG state (read with weights_only=True)
+      state.json        counters                  complete          the marker, written last
+
+A checkpoint without its marker does not exist. Every file is written whole into a temporary sibling and renamed
+over its name, so a reader sees the old file or the new one, never half of one. Nothing here unpickles: weights
+are safetensors, arrays come from .npz archives read with allow_pickle=False.
+"""
+
+import io
+import json
+import os
+import zipfile
+import zlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
+
+from islands.config import Config, to_dict, trajectory_changes, validate
+from islands.errors import CheckpointError, ConfigError
+
+CONFIG, MODEL, MARKER = "config.yaml", "model.json", "complete"
+
+
+def atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> Path:
+    """write(file) into a temporary sibling, flushed to disk, then renamed over `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    return atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def save_weights(state_dict: dict, path: Path, metadata: dict | None = None) -> Path:
+    """A safetensors file of contiguous CPU copies, so views and shared storage serialise cleanly."""
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    payload = safetensors_bytes(tensors, metadata={k: str(v) for k, v in (metadata or {}).items()})
+    return atomic_write(path, lambda f: f.write(payload))
+
+
+def load_weights(path: Path) -> dict:
+    """Read a safetensors file; anything else (a pickle, a truncated file) is refused by name."""
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read weights file {path}: not a valid safetensors file ({err})") from None
+
+
+def read_npz(path: Path, names: Iterable[str] | None = None, required: Iterable[str] = (),
+             bare: bool = False) -> dict[str, np.ndarray]:
+    """The arrays of an .npz archive (those of `names` that it holds; all of them without `names`), read whole and
+    never unpickled: object arrays are refused. With `bare`, a plain .npy array comes back under the name "".
+    Anything else raises ValueError with the reason ("cannot load: ..." or "no key ..."), for the caller to name
+    the file in its own error."""
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if isinstance(loaded, np.ndarray):
+            if bare:
+                return {"": loaded}
+            raise ValueError("a bare array, not an .npz archive")
+        with loaded as archive:
+            for name in required:
+                if name not in archive.files:
+                    raise KeyError(f"no key '{name}'; available keys: {', '.join(archive.files) or '(none)'}")
+            wanted = archive.files if names is None else [n for n in names if n in archive.files]
+            return {name: archive[name] for name in wanted}
+    except KeyError as err:
+        raise ValueError(err.args[0]) from None
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error) as err:
+        raise ValueError(f"cannot load: {type(err).__name__}: {err}") from None
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------------------
+
+def checkpoint_dir(run_dir: Path, images: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"{images:012d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first; folders without the marker do not count."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.isdigit() and (p / MARKER).exists())
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def weights_file(ckpt: Path, use_ema: bool = True) -> Path:
+    """The averaged weights when there are some and they are asked for, else the raw ones."""
+    ema = Path(ckpt) / "ema.safetensors"
+    return ema if use_ema and ema.exists() else Path(ckpt) / "model.safetensors"
+
+
+def read_state(ckpt: Path) -> dict:
+    return json.loads((Path(ckpt) / "state.json").read_text())
+
+
+def read_trainer(ckpt: Path) -> dict:
+    """The loss scaler's and the RNG's state; weights_only, so a foreign pickle cannot run code."""
+    return torch.load(Path(ckpt) / "trainer.pt", map_location="cpu", weights_only=True)
+
+
+# --- the run's description -----------------------------------------------------------------------------------------
+
+def prepare_run_dir(cfg: Config, write: bool = True, holds: str = "a run", may_change: tuple[str, ...] = ()) -> Path:
+    """Create the run directory, or check that the one there holds this same run (every rank checks); keys in
+    `may_change` may differ too. Then write the resolved config."""
+    run_dir = Path(cfg.run_dir)
+    resolved = to_dict(cfg)
+    config_file = run_dir / CONFIG
+    if config_file.exists():
+        changes = [c for c in trajectory_changes(yaml.safe_load(config_file.read_text()), resolved)
+                   if c.split(":")[0] not in may_change]
+        if changes:
+            raise ConfigError(f"{run_dir} holds {holds} with another config ({changes[0]}); use a new run_dir")
+    if write:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(config_file, yaml.safe_dump(resolved, sort_keys=False))
+    return run_dir
+
+
+def write_model_description(run_dir: Path, shape: tuple, num_classes: int) -> None:
+    atomic_write_text(Path(run_dir) / MODEL, json.dumps({"shape": list(shape), "num_classes": num_classes}))
+
+
+def describe_run(run_dir: Path) -> tuple[Config, dict]:
+    """The run's resolved config and what its network was built for (shape, num_classes)."""
+    run_dir = Path(run_dir)
+    for name in (CONFIG, MODEL):
+        if not (run_dir / name).is_file():
+            raise CheckpointError(f"{run_dir} is not a run directory: {name} is missing")
+    cfg = validate(yaml.safe_load((run_dir / CONFIG).read_text()))
+    return cfg, json.loads((run_dir / MODEL).read_text())
+
+
+def is_run_dir(path: Path) -> bool:
+    return (Path(path) / CONFIG).is_file() and (Path(path) / MODEL).is_file()
+
+
+def run_summary(run_dir: Path) -> str:
+    """Where a finished run put things, for people."""
+    run_dir = Path(run_dir)
+    grids = sorted((run_dir / "samples").glob("*.png"))
+    return "\n".join([f"run directory:   {run_dir}",
+                      f"checkpoint:      {latest_checkpoint(run_dir)}",
+                      f"samples:         {grids[-1] if grids else 'none'}",
+                      f"metrics:         {run_dir / 'metrics.jsonl'}",
+                      f"tensorboard:     tensorboard --logdir {run_dir / 'tensorboard'}"])

@@ -1,0 +1,118 @@
+"""The training loop: the composition root that builds a run's parts, resumes them, steps, and calls the reporters.
+
+Progress is counted in images; rerunning the same command resumes. One optimizer step consumes one global batch
+of `train.batch_size` images, split into `train.accumulate` micro-batches. Every example's noise, time, label
+dropout and flip come from its position in the global stream, so an interrupted run continues exactly where it
+stopped.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from islands.config import Config
+from islands.data.loader import stream_loader
+from islands.errors import TrainingStopped
+from islands.parallel.launch import World, close_world, init_world
+from islands.rundir import atomic_write_text, latest_checkpoint
+from islands.train.flops import flops_per_image, write_flops
+from islands.trainer.parts import Parts, build_parts, learning_rate, run_length
+from islands.trainer.reporters import Step, build_reporters
+
+
+def train(cfg: Config, progress: bool = True, teacher=None) -> Path:
+    """Train (or resume) the run that `cfg` describes and return its directory.
+
+    Under torchrun every rank calls this; rank 0 alone writes files. A distilled student needs `teacher`:
+    (cfg, device) -> the ensemble as a `Denoiser` (islands.ddm.ensemble.distillation_teacher).
+    """
+    world = init_world(cfg.parallel.timeout_s)
+    try:
+        return _train(cfg, world, progress and world.is_main, teacher)
+    finally:
+        close_world()
+
+
+def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    # Adam's second moments of rarely-used weights decay into denormal floats, which are ~100x slower on CPUs.
+    torch.set_flush_denormal(True)
+    parts = build_parts(cfg, world, teacher)
+    state = parts.resume()
+    if state.images >= cfg.train.images:
+        if progress:
+            print(f"{parts.run_dir}: already trained on {state.images} images; nothing to do")
+        return parts.run_dir
+
+    batch, accumulate = cfg.train.batch_size, cfg.train.accumulate
+    loader = iter(stream_loader(parts.source, batch, cfg.seed, start=state.images, rank=world.rank,
+                                world=world.size, workers=cfg.data.workers, flip=cfg.data.flip))
+    if world.is_main:
+        micro = batch // (world.size * accumulate)
+        per_image = flops_per_image(cfg.model, parts.shape, parts.num_classes, parts.objective, micro, world.device,
+                                    cfg.train.activation_checkpointing)
+        write_flops(parts.run_dir, per_image, run_length(cfg))
+    reporters = build_reporters(parts, state.images, run_length(cfg), progress)
+    parts.net.train()
+    try:
+        while state.images < cfg.train.images:
+            # The global batch, this rank's share of it, in micro-batches that each keep their stream positions.
+            x, labels, positions = next(loader)
+            x, labels = x.to(world.device, non_blocking=True), labels.to(world.device)
+            micro_batches = list(zip(x.chunk(accumulate), labels.chunk(accumulate), positions.chunk(accumulate),
+                                     strict=True))
+            lr = learning_rate(cfg, state.images)
+            loss, grad_norm, finite = optimizer_step(parts, micro_batches, lr)
+
+            # The clock moves on even for a skipped step: its images were consumed.
+            before = state.images
+            state.images += batch
+            state.step += 1
+            if finite:
+                if parts.ema is not None:
+                    parts.ema.update(parts.net, state.images, batch)
+                state.nonfinite_in_a_row = 0
+            else:
+                state.skipped += 1
+                state.nonfinite_in_a_row += 1
+                if state.nonfinite_in_a_row >= cfg.train.max_nonfinite:
+                    raise TrainingStopped(
+                        f"stopped after {state.nonfinite_in_a_row} steps in a row with non-finite loss or gradients "
+                        f"(image {state.images}); last good checkpoint: {latest_checkpoint(parts.run_dir) or 'none'}")
+            parts.strategy.after_step(state.images)
+
+            # Each reporter decides for itself whether it is due at this image count.
+            step = Step(before, state, finite, loss, grad_norm, sum(parts.strategy.ledger.close_step().values()),
+                        batch, lr, state.images >= cfg.train.images)
+            for reporter in reporters:
+                reporter(step)
+    finally:
+        for reporter in reporters:
+            reporter.close()
+    if world.is_main and world.distributed:
+        atomic_write_text(parts.run_dir / "communication.json", json.dumps(parts.strategy.ledger.summary(), indent=1))
+    # Leave together: rank 0 may still be drawing samples, and a peer tearing down its process group
+    # meanwhile has been seen to abort ("terminate called without an active exception").
+    world.barrier()
+    return parts.run_dir
+
+
+def optimizer_step(parts: Parts, micro_batches: list, lr: float) -> tuple[float, float, bool]:
+    """One optimizer step, skipped on every rank if any saw a non-finite loss or gradient. -> (loss, gradient
+    norm, whether it was taken)."""
+    opt, scaler = parts.opt, parts.scaler
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss = parts.strategy.forward_backward(parts.model, parts.objective, micro_batches, scaler)
+    scaler.unscale_(opt)
+    params = [p for p in parts.net.parameters() if p.requires_grad]
+    grad_norm = parts.strategy.clip_grad_norm(params, parts.cfg.train.grad_clip or math.inf)
+    finite = parts.world.all_finite(bool(torch.isfinite(loss) and torch.isfinite(grad_norm)))
+    if finite:
+        scaler.step(opt)
+    scaler.update()
+    return (loss.item(), grad_norm.item(), True) if finite else (math.nan, math.nan, False)

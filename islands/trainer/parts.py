@@ -1,0 +1,161 @@
+"""The parts of a run, built from its config: strategy, data, network, wrapped model, optimizer, EMA, loss scaler
+and objective; resumed from the run directory's latest checkpoint; written into a new one."""
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from islands.config import Config
+from islands.data import build_data
+from islands.data.sources import Source
+from islands.errors import ConfigError, config_errors
+from islands.generate import network_with_weights
+from islands.nets import build_network
+from islands.parallel.launch import World, warn_if_bf16_is_slow
+from islands.parallel.strategies import Strategy, build_strategy
+from islands.rundir import (
+    latest_checkpoint,
+    load_weights,
+    prepare_run_dir,
+    read_state,
+    read_trainer,
+    weights_file,
+    write_model_description,
+)
+from islands.train.checkpoint import adam_state, read_sharded, write_checkpoint
+from islands.train.ema import EMA
+from islands.train.objectives import Objective, build_objective
+
+
+@dataclass
+class Progress:
+    images: int = 0  # training images consumed so far: the run's clock
+    step: int = 0  # optimizer steps attempted, skipped ones included
+    skipped: int = 0  # steps skipped because the loss or gradients were not finite
+    nonfinite_in_a_row: int = 0
+
+
+@dataclass
+class Parts:
+    cfg: Config
+    world: World
+    strategy: Strategy
+    run_dir: Path
+    source: Source
+    shape: tuple
+    num_classes: int
+    net: torch.nn.Module  # the module whose parameters are optimized
+    model: torch.nn.Module  # what the step calls: `net` wrapped by the strategy
+    opt: torch.optim.Optimizer
+    ema: EMA | None
+    scaler: torch.amp.GradScaler
+    objective: Objective
+
+    @property
+    def main(self) -> bool:
+        return self.world.is_main
+
+    def sharded_state(self) -> dict:
+        """What each rank holds: its shards under FSDP, its optimizer partition under ZeRO-1."""
+        held = {"model": self.net.state_dict(), "optim": adam_state(self.strategy.local_optimizer(self.opt), self.net)}
+        if self.ema is not None:
+            held["ema"] = self.ema.state_dict()
+        return held
+
+    def resume(self) -> Progress:
+        """Load the latest complete checkpoint in place (resharded to this run's layout and world size)."""
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            return Progress()
+        held = self.sharded_state()
+        read_sharded(ckpt, held)
+        self.net.load_state_dict(held["model"])
+        trainer = read_trainer(ckpt)
+        self.scaler.load_state_dict(trainer["scaler"])
+        torch.set_rng_state(trainer["rng"])
+        return Progress(**read_state(ckpt)["progress"])
+
+    def save_checkpoint(self, progress: Progress) -> Path:
+        """Every rank writes its shards; rank 0 the whole weights (and EMA), the trainer's state and the counters."""
+        exports = {"model.safetensors": self.strategy.full_state_dict(self.net.state_dict())}
+        if self.ema is not None:
+            exports["ema.safetensors"] = self.strategy.full_state_dict(self.ema.state_dict())
+        trainer = {"scaler": self.scaler.state_dict(), "rng": torch.get_rng_state()}
+        return write_checkpoint(self.run_dir, progress.images, self.sharded_state(), exports, trainer,
+                                {"progress": asdict(progress)}, self.cfg.train.keep_checkpoints, self.main,
+                                self.world.barrier)
+
+    def plain_copy(self) -> torch.nn.Module | None:
+        """The averaged (else the raw) weights in a plain network on rank 0; every rank takes part in gathering
+        them, and the others get None."""
+        weights = self.strategy.full_state_dict((self.ema if self.ema is not None else self.net).state_dict())
+        if not self.main:
+            return None
+        return network_with_weights(self.cfg.model, self.shape, self.num_classes, weights, self.world.device)
+
+
+def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
+    """Everything a run needs, in an order that keeps its bits: the initial weights are drawn right after seeding,
+    the same on every rank; later randomness is keyed per example. `teacher(cfg, device)` builds a student's
+    teacher (a `Denoiser`), in a layer above this one."""
+    train = cfg.train
+    if train.batch_size % (world.size * train.accumulate):
+        raise ConfigError(f"train.batch_size: {train.batch_size} is not divisible by "
+                          f"{world.size} ranks x accumulate={train.accumulate}")
+    with config_errors("parallel"):
+        strategy = build_strategy(cfg.parallel.strategy, world, cfg.parallel.compression, train.precision,
+                                  train.compile, train.activation_checkpointing)
+    if world.is_main:
+        warn_if_bf16_is_slow("train.precision", train.precision, world.device)
+    run_dir = prepare_run_dir(cfg, write=world.is_main)
+    world.barrier()
+    torch.manual_seed(cfg.seed)
+
+    source = build_data(cfg.data, cfg.seed)  # a corrupt file is reported, by name, when a batch reaches it
+    shape, num_classes = tuple(source.shape), cfg.model.num_classes
+    if num_classes and num_classes != source.num_classes:
+        raise ConfigError(f"model.num_classes: {num_classes} does not match the data's {source.num_classes} classes")
+    if world.is_main:
+        write_model_description(run_dir, shape, num_classes)
+
+    with config_errors("model"):
+        net = build_network(cfg.model, shape, num_classes).to(world.device)
+    if train.init_from and latest_checkpoint(run_dir) is None:  # a resume reads its own weights instead
+        start_from(net, Path(train.init_from))
+    if train.objective == "distill" and teacher is None:  # the ensemble belongs to an outer layer, which builds it
+        raise ConfigError("train.objective: 'distill' needs its teacher, the ensemble; run 'islands distill' or "
+                          "'islands train' on the student's config")
+    clusters = getattr(source, "num_clusters", 0)  # examples seen through a partition are labelled by cluster too
+    objective = build_objective(cfg, num_classes, teacher and teacher(cfg, world.device), clusters)
+    objective.prepare(net)
+    model = strategy.wrap(net)
+    opt = strategy.optimizer(net, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
+    ema = EMA(net, train.ema_halflife_images, train.ema_rampup) if train.ema_halflife_images else None
+    scaler = torch.amp.GradScaler(world.device.type, init_scale=2.0**10, enabled=train.precision == "fp16")
+    return Parts(cfg, world, strategy, run_dir, source, shape, num_classes, net, model, opt, ema, scaler, objective)
+
+
+def start_from(net: torch.nn.Module, run_dir: Path) -> None:
+    """Put the latest weights of another run (its EMA, if any) into `net` (train.init_from)."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ConfigError(f"train.init_from: {run_dir} has no complete checkpoint")
+    try:
+        net.load_state_dict(load_weights(weights_file(ckpt)))
+    except RuntimeError as err:  # other keys or shapes: another network
+        reason = " ".join(str(err).split())[:300]
+        raise ConfigError(f"train.init_from: the weights of {run_dir} do not fit this model ({reason})") from None
+
+
+def learning_rate(cfg: Config, images: int) -> float:
+    """Linear warm-up over `train.warmup_images`, then constant."""
+    if cfg.train.warmup_images == 0:
+        return cfg.train.lr
+    return cfg.train.lr * min(1.0, (images + cfg.train.batch_size) / cfg.train.warmup_images)
+
+
+def run_length(cfg: Config) -> int:
+    """The images a run consumes: whole global batches."""
+    return math.ceil(cfg.train.images / cfg.train.batch_size) * cfg.train.batch_size

@@ -1,0 +1,218 @@
+"""What a run reports while it trains, each reporter deciding for itself when it is due.
+
+After every optimizer step the trainer hands each reporter the step's outcome; a reporter acts when the image
+count crosses a multiple of its interval, and at the end of the run. Every rank calls every reporter in the same
+order (the metrics log averages over ranks, the others gather the weights); only rank 0 writes.
+"""
+
+import json
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from islands.data import ClusterLabelled, streams
+from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
+from islands.eval.evaluate import Evaluator, generated
+from islands.generate import generate, sample_labels
+from islands.images import save_curve, save_samples_picture
+from islands.rundir import atomic_write_text
+from islands.train.logbook import Logbook
+from islands.trainer.parts import Parts, Progress
+
+
+@dataclass
+class Step:
+    """One optimizer step's outcome, as the reporters see it."""
+
+    before: int  # images consumed before the step
+    progress: Progress  # after it
+    finite: bool  # False: the step was skipped
+    loss: float
+    grad_norm: float
+    comm_bytes: float  # what this rank sent during the step, the optimizer's traffic included
+    batch: int
+    lr: float
+    done: bool  # the run's last step
+
+
+def crossed(before: int, after: int, every: int) -> bool:
+    return every > 0 and after // every > before // every
+
+
+class Reporter:
+    every = 0  # images between reports; 0: at the end only
+
+    def __call__(self, step: Step) -> None:
+        if step.done or crossed(step.before, step.progress.images, self.every):
+            self.report(step)
+
+    def report(self, step: Step) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class MetricsLog(Reporter):
+    """Loss, gradient norm, learning rate, throughput and communication, averaged over the steps since the last
+    line and over ranks, to metrics.jsonl, TensorBoard and the progress bar."""
+
+    def __init__(self, parts: Parts, initial: int, total: int, progress: bool):
+        self.parts, self.every = parts, parts.cfg.train.log_every
+        self.logbook = Logbook(parts.run_dir) if parts.main else None
+        self.bar = tqdm(total=total, initial=initial, unit="img", disable=not progress, dynamic_ncols=True)
+        self.window = self.new_window()
+
+    @staticmethod
+    def new_window() -> dict:
+        return {"loss": 0.0, "grad_norm": 0.0, "steps": 0, "steps_all": 0, "images": 0, "comm_bytes": 0.0,
+                "start": time.perf_counter()}
+
+    def __call__(self, step: Step) -> None:
+        if step.finite:
+            self.window["loss"] += step.loss
+            self.window["grad_norm"] += step.grad_norm
+            self.window["steps"] += 1
+        self.window["comm_bytes"] += step.comm_bytes
+        self.window["images"] += step.batch
+        self.window["steps_all"] += 1
+        self.bar.update(step.batch)
+        super().__call__(step)
+
+    def report(self, step: Step) -> None:
+        w, world = self.window, self.parts.world
+        seconds, steps = time.perf_counter() - w["start"], max(w["steps"], 1)
+        loss, comm_per_step = world.mean([w["loss"] / steps, w["comm_bytes"] / max(w["steps_all"], 1)])
+        record = {"images": step.progress.images, "step": step.progress.step, "loss": loss,
+                  "grad_norm": w["grad_norm"] / steps, "lr": step.lr, "images_per_s": w["images"] / seconds,
+                  "skipped": step.progress.skipped}
+        if world.distributed:
+            record["comm_bytes_per_step_per_rank"] = comm_per_step
+        if self.parts.main:
+            self.logbook.write(record)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
+        self.window = self.new_window()
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.logbook is not None:
+            self.logbook.close()
+
+
+class Checkpointer(Reporter):
+    """A complete checkpoint every `train.checkpoint_every` images; then every rank checks it holds the same
+    weights (replicated strategies) before any goes on."""
+
+    def __init__(self, parts: Parts):
+        self.parts, self.every = parts, parts.cfg.train.checkpoint_every
+
+    def report(self, step: Step) -> None:
+        self.parts.save_checkpoint(step.progress)
+        self.parts.strategy.check_consistency(self.parts.net)
+        self.parts.world.barrier()
+
+
+def fixed_probe(parts: Parts, size: int):
+    """A fixed random subset of the data (some sources are sorted by class)."""
+    order = torch.randperm(len(parts.source), generator=streams.generator(parts.cfg.seed, 0, "validation"))
+    return parts.source.get(order[:size].tolist())
+
+
+class SampleGrid(Reporter):
+    """A picture of samples of the averaged weights: a grid of images, or a scatter of vectors over the data."""
+
+    def __init__(self, parts: Parts):
+        self.parts, self.every = parts, parts.cfg.train.sample_every
+
+    def report(self, step: Step) -> None:
+        p = self.parts
+        plain = p.plain_copy()
+        if plain is None:
+            return
+        num = min(p.cfg.sample.num, 64 if len(p.shape) == 3 else 2000)  # a legible grid, or a dense scatter
+        x = generate(p.objective.denoiser(plain), p.shape, num, p.cfg.sample, p.cfg.seed,
+                     sample_labels(num, p.num_classes), device=p.world.device)
+        reference = p.source.get(list(range(min(len(p.source), 2000))))[0] if len(p.shape) == 1 else None
+        images = step.progress.images
+        save_samples_picture(x, p.run_dir / "samples" / f"{images:012d}.png", reference, f"{images} images")
+
+
+class Evaluation(Reporter):
+    """Every `eval.every` images: the validation loss on a fixed probe, and the metrics of `islands eval` on
+    samples of the averaged weights, to eval.jsonl."""
+
+    def __init__(self, parts: Parts):
+        self.parts, self.every = parts, parts.cfg.eval.every
+        self.log = Logbook(parts.run_dir, "eval") if parts.main else None
+        self.evaluator, self.probe = None, None
+
+    def report(self, step: Step) -> None:
+        p, cfg = self.parts, self.parts.cfg
+        plain = p.plain_copy()
+        if plain is None:
+            return
+        record = {"images": step.progress.images}
+        if cfg.eval.val_size:
+            self.probe = self.probe or fixed_probe(p, cfg.eval.val_size)
+            x0, labels = self.probe
+            by_t = p.objective.validation_loss(plain, x0.to(p.world.device),
+                                               labels.to(p.world.device) if p.num_classes else None,
+                                               cfg.eval.val_times)
+            if by_t is not None:
+                record.update(val_loss=sum(by_t) / len(by_t), val_loss_by_t=by_t)
+        if cfg.eval.metrics != []:
+            # a router or student sees every example through its partition; it is judged on the data itself
+            whole = p.source.source if isinstance(p.source, ClusterLabelled) else p.source
+            self.evaluator = self.evaluator or Evaluator(whole, cfg.eval, cfg.seed)
+            denoiser = p.objective.denoiser(plain)
+            batches = generated(denoiser, p.shape, cfg.eval.num, cfg.sample, cfg.seed, p.num_classes)
+            record.update({k: v for k, v in self.evaluator(batches, denoiser).items() if isinstance(v, (int, float))})
+        self.log.write(record)
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
+class RouterAccuracy(Reporter):
+    """The router's accuracy by t on a fixed probe and, for data small enough, its calibration against the exact
+    cluster posterior: router_accuracy.json and its plot."""
+
+    def __init__(self, parts: Parts):
+        self.parts, self.every = parts, parts.cfg.train.sample_every
+        self.exact = None
+
+    def report(self, step: Step) -> None:
+        p = self.parts
+        plain = p.plain_copy()
+        if plain is None:
+            return
+        x0, labels = fixed_probe(p, min(len(p.source), 2000))
+        if self.exact is None and len(p.source) * math.prod(p.shape) <= EXACT_POSTERIOR_LIMIT:
+            self.exact = exact_cluster_posterior(p.source, p.cfg.model.outputs, p.num_classes)
+        device = p.world.device
+        report = {"images": step.progress.images,
+                  **p.objective.report_by_t(plain, x0.to(device), labels.to(device), self.exact)}
+        atomic_write_text(p.run_dir / "router_accuracy.json", json.dumps(report, indent=1))
+        curves = {"top-1 accuracy": report["accuracy"]}
+        if "tv" in report:
+            curves.update({"exact posterior's accuracy": report["exact_accuracy"], "TV to exact": report["tv"]})
+        title = f"router after {step.progress.images} images; largest cluster {report['majority_cluster_share']:.2f}"
+        save_curve(report["t"], curves, p.run_dir / "router_accuracy.png", "t (0 data, 1 noise)", "", title)
+
+
+# What each kind of run reports beside its log and checkpoints (an objective's `produces`).
+PRODUCT_REPORTERS = {"denoiser": (SampleGrid, Evaluation), "router": (RouterAccuracy,)}
+
+
+def build_reporters(parts: Parts, initial: int, total: int, progress: bool) -> list[Reporter]:
+    """The metrics log, the checkpointer, then what the run's product calls for, in the order every rank runs
+    them. An evaluation every 0 images is none."""
+    reporters = [MetricsLog(parts, initial, total, progress), Checkpointer(parts)]
+    for kind in PRODUCT_REPORTERS[parts.objective.produces]:
+        if kind is not Evaluation or parts.cfg.eval.every:
+            reporters.append(kind(parts))
+    return reporters

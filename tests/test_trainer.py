@@ -1,0 +1,56 @@
+"""The trainer's seams: the strategy's hook after each step, config errors from the layers that know no config, the
+warning where bf16 is emulated, and keys of another kind refused by the config's variants."""
+
+import warnings
+
+import pytest
+from conftest import tiny_unet, tiny_unet_config, write_config
+
+from islands.cli import main
+from islands.config import ConfigError, validate
+from islands.errors import IslandsWarning
+from islands.parallel import launch
+from islands.parallel.strategies import Strategy
+from islands.trainer import train
+
+
+def test_the_strategy_is_called_after_every_optimizer_step_with_the_image_count(tmp_path, image_npz, monkeypatch):
+    seen = []
+    monkeypatch.setattr(Strategy, "after_step", lambda self, images: seen.append(images))
+    train(tiny_unet(tmp_path / "run", image_npz), progress=False)
+    assert seen == list(range(8, 97, 8))  # 96 images in global batches of 8
+
+
+def test_a_network_that_does_not_fit_its_sizes_is_a_config_error_naming_the_key(tmp_path, capsys, image_npz):
+    # the attention block's 16 channels cannot be split among 3 heads: the U-Net raises ValueError, the trainer names
+    # the section
+    config = write_config(tmp_path / "c.yaml", tiny_unet_config(tmp_path / "run", image_npz))
+    assert main(["train", config, "model.num_heads=3", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == "islands: config error: model: channels (16) must be divisible by num_heads (3)\n"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_that_emulates_it_is_named_with_its_fix(tmp_path, image_npz, monkeypatch, native):
+    monkeypatch.setattr(launch, "bf16_is_native", lambda device: native)
+    cfg = tiny_unet(tmp_path / "run", image_npz, train={"precision": "bf16", "images": 16})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(cfg, progress=False)
+    said = [str(w.message) for w in caught if issubclass(w.category, IslandsWarning)]
+    assert said == ([] if native else
+                    ["train.precision: bf16 is emulated on this CPU (no AVX512-BF16 or AMX), about 10x slower than "
+                     "fp32; set train.precision=fp32"])
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"data": {"source": "npz", "path": "x.npz", "means": [[0.0]]}}, "data.means: not used when source is 'npz'"),
+    ({"data": {"source": "folder", "resolution": 8}}, "data.path: required key is missing"),
+    ({"model": {"arch": "mlp", "patch_size": 2}}, "model.patch_size: not used when arch is 'mlp'"),
+    ({"model": {"arch": "vit"}}, "model.arch: must be one of 'unet', 'dit', 'mlp', 'router' (got 'vit')"),
+    ({"model": {"channel": 8}}, "model.channel: unknown key"),
+])
+def test_a_key_of_another_kind_is_refused_by_the_schema(raw, message):
+    with pytest.raises(ConfigError) as err:
+        validate({"run_dir": ".", **raw})
+    assert str(err.value) == message
