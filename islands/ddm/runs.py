@@ -5,12 +5,17 @@ ENSEMBLE/experts/<k>/   expert k: an ordinary run on cluster k alone (`islands t
 ENSEMBLE/router/        the router: an ordinary run with the router objective (`islands train CONFIG router`)
 ENSEMBLE/ensemble.json  the manifest that sampling reads
 
+Timestep-range experts are derived the same way: RUN/tstages/<i>/ is range i of flow.t_ranges
+(`islands train CONFIG tstage=i`), an ordinary run whose flow.t_range is that range in the path's own time.
+
 An expert reads the partition and nothing of the other experts. Compute parity (the paper's recipe): each
 expert's batch is the global batch / K and it takes the monolith's number of steps (every count of images
 in its schedule shrinks by K), so the K experts together cost what the monolith of the same config costs.
 """
 
 from pathlib import Path
+
+import torch
 
 from islands.config import Config, ConfigError, to_dict, validate
 
@@ -50,6 +55,27 @@ def _derived(cfg: Config, run_dir: Path, replace: dict | None = None, **updates)
     for name, values in updates.items():
         raw[name] = {**raw[name], **values}
     return validate(raw)
+
+
+def tstage_dir(cfg: Config, i: int) -> Path:
+    return Path(cfg.run_dir) / "tstages" / str(i)
+
+
+def tstage_config(cfg: Config, i: int) -> Config:
+    """Range expert i: the config's run trained on [t_ranges[i], t_ranges[i + 1]] only (canonical t, converted to
+    the path's own time), in RUN/tstages/i."""
+    from islands.flow.paths import build_path
+
+    bounds = cfg.flow.t_ranges
+    if bounds is None:
+        raise ConfigError("tstage: flow.t_ranges is not set; give the ranges' boundaries, e.g. "
+                          "flow.t_ranges=[0,0.3,0.7,1]")
+    if not 0 <= i < len(bounds) - 1:
+        raise ConfigError(f"tstage: {i} is not one of the {len(bounds) - 1} ranges of flow.t_ranges "
+                          f"(0 to {len(bounds) - 2})")
+    path = build_path(cfg.flow.path, **cfg.flow.path_options())
+    lo, hi = path.own_time(torch.tensor(bounds[i:i + 2], dtype=torch.float64)).tolist()
+    return _derived(cfg, tstage_dir(cfg, i), flow={"t_range": [lo, hi]})
 
 
 def expert_config(cfg: Config, k: int) -> Config:
@@ -92,8 +118,7 @@ def router_images(cfg: Config, router: Config) -> int:
     trains the router derives the same number before any expert has finished."""
     from islands.data import build_data  # the data's shape and classes; loaded only when the budget is derived
     from islands.train.flops import flops_per_image
-    from islands.train.loop import DiffusionObjective
-    from islands.train.router import RouterObjective
+    from islands.train.objectives import RouterObjective, build_objective
 
     source = build_data(cfg.data.model_copy(update={"partition": None, "cluster": None}), cfg.seed)
     shape, classes = tuple(source.shape), cfg.model.num_classes
@@ -101,10 +126,12 @@ def router_images(cfg: Config, router: Config) -> int:
     for k in range(cfg.ddm.k):
         e = expert_config(cfg, k)
         micro = e.train.batch_size // e.train.accumulate
-        per_image = flops_per_image(e, shape, classes, DiffusionObjective(e, classes), micro)
+        per_image = flops_per_image(e.model, shape, classes, build_objective(e, classes), micro,
+                                    checkpointing=e.train.activation_checkpointing)
         experts += per_image * e.train.images
     objective = RouterObjective(cfg.seed, cfg.ddm.k, classes, cfg.train.label_dropout)
-    per_image = flops_per_image(router, shape, classes, objective, router.train.batch_size)
+    per_image = flops_per_image(router.model, shape, classes, objective, router.train.batch_size,
+                                checkpointing=router.train.activation_checkpointing)
     batches = max(1, round(cfg.ddm.router.flops_fraction * experts / per_image / router.train.batch_size))
     return batches * router.train.batch_size
 

@@ -91,6 +91,16 @@ def time_grid(steps: int, kind: str = "uniform", shift: float = 3.0, rho: float 
     raise ValueError(f"unknown time grid {kind!r}; choose from {GRIDS}")
 
 
+def with_boundaries(grid: Tensor, boundaries) -> Tensor:
+    """The decreasing grid with `boundaries` added where it lacks them, so that no step crosses one (timestep-range
+    experts hand over there: a step across a boundary would mix two experts within one solver update)."""
+    if not len(boundaries):
+        return grid
+    extra = torch.tensor([b for b in boundaries if not torch.isclose(grid, torch.tensor(float(b), dtype=grid.dtype),
+                                                                     rtol=0, atol=1e-12).any()], dtype=grid.dtype)
+    return torch.cat([grid, extra]).sort(descending=True).values
+
+
 def guided(denoiser: Denoiser, scale: float) -> Denoiser:
     """Classifier-free guidance (Ho & Salimans 2022): v = v_uncond + scale * (v_cond - v_uncond)."""
     if scale == 1.0:
@@ -269,7 +279,9 @@ def sample(
     if solver not in _SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose from {SOLVERS}")
     field = guided(denoiser, guidance)
-    ts = time_grid(steps, grid, t_min=HEUN_T_MIN if solver == "heun" else 0.0)
+    # a denoiser made of timestep-range experts says where they hand over
+    ts = with_boundaries(time_grid(steps, grid, t_min=HEUN_T_MIN if solver == "heun" else 0.0),
+                         getattr(denoiser, "time_boundaries", ()))
 
     def v(x: Tensor, t: Tensor) -> Tensor:
         return field(x, t, cond).to(x.dtype)
