@@ -22,29 +22,31 @@ def _train(args) -> int:
 
     role = [o for o in args.overrides if o in ("router", "monolith") or o.startswith(("expert=", "tstage="))]
     cfg = load_config(args.config, [o for o in args.overrides if o not in role])
-    if len(role) > 1:
-        raise ConfigError(f"train: give one of tstage=I, expert=K, router and monolith, not {' '.join(role)}")
-    if role and role[0].startswith("tstage="):  # a timestep-range expert of the config's run
-        from islands.ddm.runs import tstage_config
-
-        index = role[0].split("=", 1)[1]
-        if not index.isdecimal():
-            raise ConfigError(f"tstage: {role[0]!r} is not tstage=I with I a number")
-        cfg = tstage_config(cfg, int(index))
-    elif role:  # a member of a decentralized model, derived from the ensemble's config
+    member, ranges = [o for o in role if not o.startswith("tstage=")], [o for o in role if o.startswith("tstage=")]
+    if len(member) > 1 or len(ranges) > 1:
+        raise ConfigError(f"train: give one of expert=K, router and monolith, and at most one tstage=I, "
+                          f"not {' '.join(role)}")
+    if member:  # a member of a decentralized model, derived from the ensemble's config
         from islands.ddm.runs import expert_config, monolith_config, require_partition, router_config
 
-        if role[0] != "monolith":
+        if member[0] != "monolith":
             require_partition(cfg)
-        if role[0] == "router":
+        if member[0] == "router":
             cfg = router_config(cfg)
-        elif role[0] == "monolith":
+        elif member[0] == "monolith":
             cfg = monolith_config(cfg)
         else:
             try:
-                cfg = expert_config(cfg, int(role[0].split("=", 1)[1]))
+                cfg = expert_config(cfg, int(member[0].split("=", 1)[1]))
             except ValueError:
-                raise ConfigError(f"expert: {role[0]!r} is not expert=K with K a number") from None
+                raise ConfigError(f"expert: {member[0]!r} is not expert=K with K a number") from None
+    if ranges:  # a timestep-range expert of the run derived so far (an expert's, in a cluster x range grid)
+        from islands.ddm.runs import tstage_config
+
+        index = ranges[0].split("=", 1)[1]
+        if not index.isdecimal():
+            raise ConfigError(f"tstage: {ranges[0]!r} is not tstage=I with I a number")
+        cfg = tstage_config(cfg, int(index))
     run_dir = train(cfg, progress=not args.quiet, teacher=_teacher(cfg))
     print(run_summary(run_dir))
     return 0

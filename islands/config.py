@@ -18,6 +18,12 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _check_boundaries(b: list[float] | None) -> None:
+    """Timestep-range boundaries in canonical t."""
+    if b is not None and (len(b) < 3 or b[0] != 0 or b[-1] != 1 or sorted(set(b)) != b):
+        raise ValueError(f"t_ranges: must rise strictly from 0 to 1 through at least one boundary, got {b}")
+
+
 # --- data: one variant per source, told apart by `source` ---
 
 class _Data(Section):
@@ -143,9 +149,7 @@ class _Flow(Section):
         lo, hi = self.t_range
         if not 0.0 <= lo < hi <= 1.0:
             raise ValueError(f"t_range: must satisfy 0 <= lo < hi <= 1, got {list(self.t_range)}")
-        b = self.t_ranges
-        if b is not None and (len(b) < 3 or b[0] != 0 or b[-1] != 1 or sorted(set(b)) != b):
-            raise ValueError(f"t_ranges: must rise strictly from 0 to 1 through at least one boundary, got {b}")
+        _check_boundaries(self.t_ranges)
         return self
 
     def path_options(self) -> dict:
@@ -289,6 +293,14 @@ class DDMConfig(Section):
     router: RouterConfig = RouterConfig()
     expert_batch: int | None = Field(None, gt=0)  # None: compute parity, train.batch_size / k
     monolith: bool = False  # `islands ddm` also trains the plain model of this config and compares the two
+    # A cluster x range grid: each cluster's expert is split into timestep-range experts at these boundaries
+    # (canonical t), K x R runs in ENSEMBLE/experts/<k>/tstages/<r>; the router gates clusters, t gates ranges.
+    t_ranges: list[float] | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        _check_boundaries(self.t_ranges)
+        return self
 
 
 class ParallelConfig(Section):

@@ -1,14 +1,18 @@
 """Timestep-range experts: the gate by t, grids that put a step on every boundary, the derived runs, eDiff-I's
-initialisation from a run trained on all t, and two range experts that together sample a mixture's modes."""
+initialisation from a run trained on all t, two range experts that together sample a mixture's modes, and a
+cluster x range grid of decentralized experts."""
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from conftest import tiny_unet, write_config
 
 from islands.cli import main
 from islands.config import ConfigError, validate
 from islands.data.gmm import GaussianMixture
+from islands.ddm.ensemble import ancestral_clusters, load_ensemble
+from islands.ddm.pipeline import build_ensemble
 from islands.ddm.runs import tstage_config
 from islands.ddm.time_gate import TimeGate, load_time_gate
 from islands.flow.paths import build_path
@@ -111,3 +115,32 @@ def test_two_range_experts_trained_apart_sample_the_modes_of_a_mixture_through_t
     assert gate.time_boundaries == [0.5] and cfg.flow.t_range == (0.0, 0.5)
     sample(gate, torch.randn(10, 2), steps=4, solver="euler")  # grid 1, 0.75, 0.5, 0.25: two steps per expert
     assert gate.evaluations == 40
+
+
+def test_a_cluster_by_range_grid_samples_every_mode_and_every_policy_works(tmp_path):
+    """K = 2 clusters x R = 2 ranges: four runs, each on its cluster and its range; one manifest; the router gates
+    clusters and t gates ranges. Every mode of the mixture gets samples near its weight."""
+    means, weights = [[2.0, 2.0], [-2.0, 2.0], [-2.0, -2.0], [2.0, -2.0]], [0.4, 0.3, 0.2, 0.1]
+    cfg = validate({"run_dir": str(tmp_path / "grid"), "seed": 1,
+                    "data": {"source": "gmm", "means": means, "std": 0.3, "weights": weights, "size": 4000},
+                    "model": {"arch": "mlp", "hidden": 64, "depth": 3},
+                    "train": {"images": 25600, "batch_size": 128, "lr": 2e-3, "ema_halflife_images": 1000,
+                              "checkpoint_every": 25600, "log_every": 6400},
+                    "sample": {"num": 64, "steps": 12}, "eval": {"num": 2000},
+                    "ddm": {"k": 2, "t_ranges": [0.0, 0.5, 1.0], "partition": {"fine": 64, "balanced": False},
+                            "router": {"images": 12800, "batch_size": 64, "lr": 2e-3, "depth": 3}}})
+    manifest = build_ensemble(cfg, jobs=2, progress=False)
+    assert [[part["name"] for part in e["ranges"]] for e in manifest["experts"]] == \
+        [["expert0.0", "expert0.1"], ["expert1.0", "expert1.1"]]
+    stage = yaml.safe_load((tmp_path / "grid" / "experts" / "1" / "tstages" / "0" / "config.yaml").read_text())
+    assert stage["data"]["cluster"] == 1 and stage["flow"]["t_range"] == [0.0, 0.5]
+    truth = GaussianMixture(means, 0.3, weights)
+    for routing in ("ancestral", "full", "top1"):
+        mixture, manifest = load_ensemble(tmp_path / "grid", routing, seed=1)
+        assert mixture.time_boundaries == [0.5]
+        noise = torch.randn(4000, 2, generator=torch.Generator().manual_seed(2))
+        if routing == "ancestral":
+            mixture.assign(ancestral_clusters(manifest, 1, 0, 4000))
+        x = sample(mixture, noise, steps=12).double()
+        mass = torch.bincount(torch.cdist(x, truth.means).argmin(1), minlength=4).double() / len(x)
+        assert (mass > 0.5 * truth.weights).all() and 0.5 * (mass - truth.weights).abs().sum() < 0.08, (routing, mass)

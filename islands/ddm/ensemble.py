@@ -17,7 +17,8 @@ from safetensors import SafetensorError, safe_open
 
 from islands.config import Config, to_dict, validate
 from islands.ddm.mixture import DEFAULT_ROUTING, ExpertSlot, Mixture, PriorRouter, parse_routing
-from islands.ddm.runs import ensemble_dir, expert_dir, partition_dir, router_dir
+from islands.ddm.runs import ensemble_dir, expert_dir, expert_runs, partition_dir, router_dir
+from islands.ddm.time_gate import TimeGate
 from islands.errors import CheckpointError, IslandsWarning
 from islands.flow.denoiser import NetworkDenoiser
 from islands.flow.paths import PATH_OPTIONS, build_path
@@ -55,11 +56,20 @@ def write_manifest(cfg: Config) -> dict:
     root = ensemble_dir(cfg)
     partition = json.loads((partition_dir(cfg) / "partition.json").read_text())
     sizes = partition["sizes"]
-    experts = [{**_entry(root, expert_dir(cfg, k), f"expert{k}"), "cluster": k, "size": sizes[k]}
-               for k in range(cfg.ddm.k)]
+    experts = []
+    for k in range(cfg.ddm.k):
+        if cfg.ddm.t_ranges:  # a cluster x range grid: the cluster's expert is its range experts behind a time gate
+            ranges = [_entry(root, run, f"expert{k}.{r}") for r, run in enumerate(expert_runs(cfg, k))]
+            described = {key: ranges[0][key] for key in ("shape", "num_classes") if key in ranges[0]}
+            entry = {"name": f"expert{k}", **described, "t_ranges": cfg.ddm.t_ranges, "ranges": ranges}
+        else:
+            entry = _entry(root, expert_dir(cfg, k), f"expert{k}")
+        experts.append({**entry, "cluster": k, "size": sizes[k]})
     prior = [s / sum(sizes) for s in sizes]
     manifest = {"k": cfg.ddm.k, "prior": prior, "partition": partition.get("method"),
                 "experts": experts, "router": _entry(root, router_dir(cfg), "router")}
+    if cfg.ddm.t_ranges:
+        manifest["t_ranges"] = cfg.ddm.t_ranges
     if partition.get("sizes_by_class"):  # p(cluster | class), for ancestral routing of class-conditional samples
         manifest["prior_by_class"] = [[c / sum(row) for c in row] if sum(row) else prior
                                       for row in partition["sizes_by_class"]]
@@ -105,6 +115,12 @@ def _expert(entry: dict, path: Path, device) -> NetworkDenoiser:
     return NetworkDenoiser(_network(entry, load_weights(path), device), flow_path, entry["prediction"])
 
 
+def _gated(entry: dict, paths: list[Path], device) -> TimeGate:
+    """A cluster's range experts behind their gate by t."""
+    experts = [_expert(part, path, device) for part, path in zip(entry["ranges"], paths, strict=True)]
+    return TimeGate(experts, entry["t_ranges"])
+
+
 def _router_network(entry: dict, path: Path, device) -> torch.nn.Module:
     weights = load_weights(path)
     if "anchor.log_prior" not in weights:  # its logits were not anchored: read as anchored they would be wrong
@@ -128,8 +144,14 @@ def load_ensemble(root: Path, routing: str = DEFAULT_ROUTING, max_loaded: int | 
     manifest = read_manifest(root)
     slots = []
     for entry in manifest["experts"]:
-        path, missing = _verified(root, entry)
-        load = None if path is None else functools.partial(_expert, entry, path, device)
+        if "ranges" in entry:  # its range experts, gated by t: all of them, or the cluster's expert is missing
+            checked = [_verified(root, part) for part in entry["ranges"]]
+            missing = next((f"{part['name']} {why}" for part, (path, why) in zip(entry["ranges"], checked,
+                                                                               strict=True) if path is None), "")
+            load = None if missing else functools.partial(_gated, entry, [path for path, _ in checked], device)
+        else:
+            path, missing = _verified(root, entry)
+            load = None if path is None else functools.partial(_expert, entry, path, device)
         slots.append(ExpertSlot(entry["name"], load, missing))
     if not any(slot.available for slot in slots):
         raise CheckpointError(f"{root}: no expert of the ensemble is available")
@@ -141,7 +163,9 @@ def load_ensemble(root: Path, routing: str = DEFAULT_ROUTING, max_loaded: int | 
                           stacklevel=2)
         router = (LearnedRouter(_router_network(manifest["router"], router_path, device)) if router_path is not None
                   else PriorRouter(manifest["prior"]))
-    return Mixture(slots, router, routing=routing, max_loaded=max_loaded, seed=seed), manifest
+    mixture = Mixture(slots, router, routing=routing, max_loaded=max_loaded, seed=seed,
+                      time_boundaries=manifest.get("t_ranges", [0, 1])[1:-1])
+    return mixture, manifest
 
 
 def distillation_teacher(cfg: Config, device) -> Mixture:

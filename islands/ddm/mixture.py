@@ -132,8 +132,11 @@ class Mixture(nn.Module):
         routing: str | Routing = DEFAULT_ROUTING,
         max_loaded: int | None = None,
         seed: int = 0,
+        time_boundaries: list[float] = (),
     ):
         super().__init__()
+        # where the experts' own timestep-range experts hand over (a cluster x range grid), for the samplers' grids
+        self.time_boundaries = list(time_boundaries)
         self.routing = parse_routing(routing) if isinstance(routing, str) else routing
         self.slots = list(experts)
         if not any(slot.available for slot in self.slots):

@@ -19,7 +19,7 @@ from islands.ddm.mixture import DEFAULT_ROUTING
 from islands.ddm.partition import Partition, partition, save_cluster_picture
 from islands.ddm.runs import (
     ensemble_dir,
-    expert_dir,
+    expert_runs,
     member_configs,
     monolith_config,
     monolith_dir,
@@ -75,7 +75,8 @@ def _finished(run: Path, images: int) -> bool:
 
 def ensemble_training_flops(cfg: Config) -> float:
     """What the experts and the router cost to train together, from their flops.json."""
-    return sum(training_flops(run) for run in [expert_dir(cfg, k) for k in range(cfg.ddm.k)] + [router_dir(cfg)])
+    experts = [run for k in range(cfg.ddm.k) for run in expert_runs(cfg, k)]
+    return sum(training_flops(run) for run in [*experts, router_dir(cfg)])
 
 
 def monolith_images(cfg: Config) -> int:
@@ -83,7 +84,7 @@ def monolith_images(cfg: Config) -> int:
     their flops.json) over the monolith's FLOPs per image. At compute parity the experts alone cost the config's
     train.images; the router buys the monolith a few percent more."""
     mono = monolith_config(cfg)
-    info = describe_run(expert_dir(cfg, 0))[1]
+    info = describe_run(expert_runs(cfg, 0)[0])[1]
     shape, num_classes = tuple(info["shape"]), info["num_classes"]
     micro = mono.train.batch_size // mono.train.accumulate
     per_image = flops_per_image(mono.model, shape, num_classes, build_objective(mono, num_classes), micro,
@@ -96,8 +97,11 @@ def train_members(cfg: Config, jobs: int = 1, progress: bool = True) -> None:
     ddm.monolith) the monolith at the ensemble's FLOPs; members already trained are skipped."""
     root, cores = ensemble_dir(cfg), os.cpu_count() or 1
     members = member_configs(cfg)
-    experts = [Member(f"expert{k}", f"expert={k}", expert_dir(cfg, k), members[f"expert{k}"].train.images)
-               for k in range(cfg.ddm.k)]
+    experts = []
+    for k in range(cfg.ddm.k):
+        for r, run in enumerate(expert_runs(cfg, k)):  # in a cluster x range grid, each range is a member
+            name, tstage = (f"expert{k}", ()) if not cfg.ddm.t_ranges else (f"expert{k}.{r}", (f"tstage={r}",))
+            experts.append(Member(name, f"expert={k}", run, members[name].train.images, tstage))
     pending = [m for m in experts if not _finished(m.run_dir, m.images)]
     while pending:
         batch, pending = pending[:jobs], pending[jobs:]
@@ -240,8 +244,11 @@ def emit_scripts(cfg: Config, kind: str) -> list[Path]:
                 'srun "$PYTHON" -m torch.distributed.run --nproc_per_node=${GPUS:-8}')
     config, run_dir = '"$ENSEMBLE/config.yaml"', 'run_dir="$ENSEMBLE"'
     steps = {"0_partition": f'"$PYTHON" -m islands partition {config} {run_dir} "$@"'}
+    ranges = range(len(cfg.ddm.t_ranges) - 1) if cfg.ddm.t_ranges else [None]
     for k in range(cfg.ddm.k):
-        steps[f"1_expert{k}"] = f'{launcher} -m islands train {config} expert={k} {run_dir} "$@"'
+        for r in ranges:
+            name, tstage = (f"expert{k}", "") if r is None else (f"expert{k}.{r}", f" tstage={r}")
+            steps[f"1_{name}"] = f'{launcher} -m islands train {config} expert={k}{tstage} {run_dir} "$@"'
     steps["2_router"] = f'{launcher} -m islands train {config} router {run_dir} "$@"'
     steps["3_ensemble"] = f'"$PYTHON" -m islands ddm {config} {run_dir} "$@"'
     written = []

@@ -92,7 +92,16 @@ def expert_config(cfg: Config, k: int) -> Config:
              "warmup_images": round(t.warmup_images * scale), "ema_halflife_images": t.ema_halflife_images * scale,
              "checkpoint_every": max(1, round(t.checkpoint_every * scale)),
              "sample_every": round(t.sample_every * scale), "log_every": max(1, round(t.log_every * scale))}
-    return _derived(cfg, expert_dir(cfg, k), data={"partition": str(partition_dir(cfg)), "cluster": k}, train=train)
+    flow = {"t_ranges": cfg.ddm.t_ranges} if cfg.ddm.t_ranges else {}  # a cluster x range grid: ranges of its own
+    return _derived(cfg, expert_dir(cfg, k), data={"partition": str(partition_dir(cfg)), "cluster": k}, train=train,
+                    flow=flow)
+
+
+def expert_runs(cfg: Config, k: int) -> list[Path]:
+    """The run directories of cluster k's expert: itself, or its range experts in a cluster x range grid."""
+    if not cfg.ddm.t_ranges:
+        return [expert_dir(cfg, k)]
+    return [tstage_dir(expert_config(cfg, k), r) for r in range(len(cfg.ddm.t_ranges) - 1)]
 
 
 def router_config(cfg: Config) -> Config:
@@ -147,7 +156,13 @@ def monolith_config(cfg: Config) -> Config:
 
 def member_configs(cfg: Config) -> dict[str, Config]:
     """Every run `islands ddm` trains, by name, derived now so that a config error stops it before any starts."""
-    members = {f"expert{k}": expert_config(cfg, k) for k in range(cfg.ddm.k)}
+    members = {}
+    for k in range(cfg.ddm.k):
+        expert = expert_config(cfg, k)
+        if cfg.ddm.t_ranges:
+            members.update({f"expert{k}.{r}": tstage_config(expert, r) for r in range(len(cfg.ddm.t_ranges) - 1)})
+        else:
+            members[f"expert{k}"] = expert
     members["router"] = router_config(cfg)
     if cfg.ddm.monolith:
         members["monolith"] = monolith_config(cfg)
