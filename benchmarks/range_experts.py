@@ -18,12 +18,12 @@ from benchmarks.common import save, setup, table
 from benchmarks.ddm_gmm import config
 from islands.config import validate
 from islands.data import build_data
-from islands.ddm.runs import tstage_config
 from islands.ddm.time_gate import load_time_gate
 from islands.eval.evaluate import Evaluator, generated
 from islands.flow.samplers import HEUN_T_MIN, evaluations_per_sample, time_grid, with_boundaries
 from islands.generate import load_denoiser
 from islands.trainer import train
+from islands.trainer.ranges import tstage_config
 
 IMAGES = 64_000
 RANGES = {"R=2": [0.0, 0.5, 1.0], "R=3": [0.0, 1 / 3, 2 / 3, 1.0], "R=2 skewed": [0.0, 0.2, 1.0]}

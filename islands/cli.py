@@ -41,7 +41,7 @@ def _train(args) -> int:
             except ValueError:
                 raise ConfigError(f"expert: {member[0]!r} is not expert=K with K a number") from None
     if ranges:  # a timestep-range expert of the run derived so far (an expert's, in a cluster x range grid)
-        from islands.ddm.runs import tstage_config
+        from islands.trainer.ranges import tstage_config
 
         index = ranges[0].split("=", 1)[1]
         if not index.isdecimal():

@@ -304,7 +304,8 @@ class DDMConfig(Section):
 
 
 class ParallelConfig(Section):
-    strategy: Literal["none", "ddp", "zero1", "zero2", "fsdp"] = "none"
+    # tstages: the ranks split into one group per range of flow.t_ranges, each training its range (ddp inside it)
+    strategy: Literal["none", "ddp", "zero1", "zero2", "fsdp", "tstages"] = "none"
     timeout_s: float = Field(600.0, gt=0)  # a collective that waits longer fails every rank
     compression: Literal["none", "fp16", "bf16"] = "none"  # precision of gradient reduction on the wire
 

@@ -35,6 +35,7 @@ from islands.train.ema import EMA
 from islands.train.logbook import read_metrics
 from islands.train.objectives import build_objective
 from islands.trainer import train
+from islands.trainer.ranges import tstage_config
 
 TIMEOUT_S = 240
 
@@ -671,3 +672,25 @@ def test_an_expert_of_a_decentralized_model_trains_under_torchrun_with_sharding(
 def _write(path, cfg) -> str:
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_tstages_gives_each_range_a_group_of_ranks_that_trains_it_as_one_process_would(tmp_path, nproc):
+    """2 ranges on 2 ranks (a group of one each) and on 4 (ddp inside each group of two): each range's weights are
+    those of its range trained alone in one process, and each group's traffic is its own ddp's, nothing more."""
+    cfg = {**mlp_config(tmp_path / "grouped"), "flow": {"t_ranges": [0.0, 0.4, 1.0]}}
+    ranks = launch_ranks(nproc, cfg, tmp_path, "parallel.strategy=tstages")
+    assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
+    torch.set_num_threads(1)
+    for i in range(2):
+        alone = train(tstage_config(validate({**cfg, "run_dir": str(tmp_path / "alone")}), i), progress=False)
+        grouped = tmp_path / "grouped" / "tstages" / str(i)
+        assert yaml.safe_load((grouped / "config.yaml").read_text())["flow"]["t_range"] == [[0.0, 0.4], [0.4, 1.0]][i]
+        if nproc == 2:
+            assert not (grouped / "communication.json").exists()  # a group of one rank sends nothing
+            assert all(torch.equal(a, b) for a, b in zip(final_weights(grouped).values(),
+                                                         final_weights(alone).values(), strict=True))
+        else:
+            assert relative_difference(final_weights(grouped), final_weights(alone)) < 1e-5
+            sent = json.loads((grouped / "communication.json").read_text())
+            assert sent["bytes_per_step"] == pytest.approx(predicted_bytes("ddp", 1, cfg)), sent  # 2 ranks' ring

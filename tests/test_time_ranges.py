@@ -13,12 +13,12 @@ from islands.config import ConfigError, validate
 from islands.data.gmm import GaussianMixture
 from islands.ddm.ensemble import ancestral_clusters, load_ensemble
 from islands.ddm.pipeline import build_ensemble
-from islands.ddm.runs import tstage_config
 from islands.ddm.time_gate import TimeGate, load_time_gate
 from islands.flow.paths import build_path
 from islands.flow.samplers import HEUN_T_MIN, sample, time_grid, with_boundaries
 from islands.rundir import latest_checkpoint, load_weights
 from islands.trainer import train
+from islands.trainer.ranges import tstage_config
 
 BOUNDS = [0.0, 0.3, 0.7, 1.0]
 

@@ -15,9 +15,8 @@ in its schedule shrinks by K), so the K experts together cost what the monolith 
 
 from pathlib import Path
 
-import torch
-
 from islands.config import Config, ConfigError, to_dict, validate
+from islands.trainer.ranges import tstage_config, tstage_dir
 
 
 def ensemble_dir(cfg: Config) -> Path:
@@ -55,27 +54,6 @@ def _derived(cfg: Config, run_dir: Path, replace: dict | None = None, **updates)
     for name, values in updates.items():
         raw[name] = {**raw[name], **values}
     return validate(raw)
-
-
-def tstage_dir(cfg: Config, i: int) -> Path:
-    return Path(cfg.run_dir) / "tstages" / str(i)
-
-
-def tstage_config(cfg: Config, i: int) -> Config:
-    """Range expert i: the config's run trained on [t_ranges[i], t_ranges[i + 1]] only (canonical t, converted to
-    the path's own time), in RUN/tstages/i."""
-    from islands.flow.paths import build_path
-
-    bounds = cfg.flow.t_ranges
-    if bounds is None:
-        raise ConfigError("tstage: flow.t_ranges is not set; give the ranges' boundaries, e.g. "
-                          "flow.t_ranges=[0,0.3,0.7,1]")
-    if not 0 <= i < len(bounds) - 1:
-        raise ConfigError(f"tstage: {i} is not one of the {len(bounds) - 1} ranges of flow.t_ranges "
-                          f"(0 to {len(bounds) - 2})")
-    path = build_path(cfg.flow.path, **cfg.flow.path_options())
-    lo, hi = path.own_time(torch.tensor(bounds[i:i + 2], dtype=torch.float64)).tolist()
-    return _derived(cfg, tstage_dir(cfg, i), flow={"t_range": [lo, hi]})
 
 
 def expert_config(cfg: Config, k: int) -> Config:

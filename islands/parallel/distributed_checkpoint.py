@@ -65,15 +65,16 @@ def _single_process_is_intended():
         yield
 
 
-def save_sharded(state: dict, path: Path) -> None:
-    """Collective under a process group: every rank calls it with its own part of `state`."""
+def save_sharded(state: dict, path: Path, group=None) -> None:
+    """Collective under a process group (`group`; None: the whole job's): every rank calls it with its own part of
+    `state`."""
     with _single_process_is_intended():
-        dcp.save(state, checkpoint_id=str(path))
+        dcp.save(state, checkpoint_id=str(path), process_group=group)
 
 
-def load_sharded(state: dict, path: Path) -> None:
+def load_sharded(state: dict, path: Path, group=None) -> None:
     """Fill the tensors of `state` in place (each rank its own slices) from the checkpoint at `path`."""
     reader = _SafeReader(str(path))
     reader.read_metadata()  # fails here with a plain message; inside dcp.load it would come wrapped
     with _single_process_is_intended():
-        dcp.load(state, storage_reader=reader)
+        dcp.load(state, storage_reader=reader, process_group=group)

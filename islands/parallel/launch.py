@@ -18,10 +18,14 @@ from islands.errors import IslandsWarning
 
 @dataclass(frozen=True)
 class World:
+    """The ranks a run trains on: every rank of the job, or one group of them (`split`). rank and size are within
+    the group; `group` is its process group (None: the whole job's)."""
+
     rank: int = 0
     size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    group: object = None
 
     @property
     def is_main(self) -> bool:
@@ -36,7 +40,7 @@ class World:
         if not self.distributed:
             return flag
         t = torch.tensor([1.0 if flag else 0.0])
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
 
     def mean(self, values: list[float]) -> list[float]:
@@ -44,12 +48,24 @@ class World:
         if not self.distributed:
             return values
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return (t / self.size).tolist()
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            dist.barrier(group=self.group)
+
+    def split(self, groups: int) -> tuple[int, "World"]:
+        """Cut the job's ranks into `groups` contiguous groups of equal size, which share nothing afterwards:
+        (this rank's group, the World of that group). Every rank must call it (each group is created by all)."""
+        if groups < 1 or self.size % groups:
+            raise ValueError(f"parallel.strategy: {self.size} ranks do not split into {groups} equal groups")
+        per = self.size // groups
+        handles = [dist.new_group(list(range(g * per, (g + 1) * per))) if self.size > 1 else None
+                   for g in range(groups)]
+        index = self.rank // per
+        return index, World(rank=self.rank % per, size=per, local_rank=self.local_rank, device=self.device,
+                            group=handles[index])
 
 
 def _store(rank: int, size: int, timeout: timedelta) -> dist.Store:

@@ -113,7 +113,7 @@ class DDPStrategy(Strategy):
     def wrap(self, net: nn.Module) -> nn.Module:
         net = super().wrap(net)
         device_ids = [self.world.device.index] if self.world.device.type == "cuda" else None
-        ddp = DistributedDataParallel(net, device_ids=device_ids)
+        ddp = DistributedDataParallel(net, device_ids=device_ids, process_group=self.world.group)
         ddp.register_comm_hook(self, _averaging_hook(self.compression))
         return ddp
 
@@ -126,8 +126,8 @@ class DDPStrategy(Strategy):
             sums = torch.stack([torch.stack([p.double().sum(), (p.double() * torch.arange(p.numel(),
                                 dtype=torch.float64).reshape(p.shape).sin()).sum()]) for p in net.parameters()])
         low, high = sums.clone(), sums.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.world.group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.world.group)
         if not torch.equal(low, high):
             names = [n for (n, _), differs in zip(net.named_parameters(), (low != high).any(1), strict=True) if differs]
             raise RuntimeError(f"ranks hold different weights after a checkpoint: {', '.join(names[:5])}")
@@ -251,7 +251,7 @@ def _averaging_hook(compression: str):
         payload = buffer if wire is None else buffer.to(wire)
         strategy.ledger.record("all_reduce", payload.numel() * payload.element_size())
         payload.div_(strategy.world.size)
-        future = dist.all_reduce(payload, async_op=True).get_future()
+        future = dist.all_reduce(payload, group=strategy.world.group, async_op=True).get_future()
 
         def unpack(fut):
             reduced = fut.value()[0]
@@ -272,6 +272,8 @@ def build_strategy(name: str, world: World, compression: str = "none", precision
         raise ValueError("parallel.strategy: 'none' cannot run with several ranks; choose ddp")
     if name != "none" and not dist.is_initialized():
         raise ValueError(f"parallel.strategy: {name!r} needs a process group; launch with torchrun")
+    if world.group is not None and name not in ("ddp", "none"):  # FSDP's mesh and ZeRO's partitions span the whole job
+        raise ValueError(f"parallel.strategy: inside a group of ranks (tstages) each group runs ddp, not {name!r}")
     if name in ("fsdp", "zero2") and precision == "fp16":
         # GradScaler would find infinities in each rank's shard separately and let the scales drift apart.
         raise ValueError(f"train.precision: fp16 loss scaling is not supported with {name}; use bf16")

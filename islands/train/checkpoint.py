@@ -25,16 +25,17 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_checkpoint(run_dir: Path, images: int, sharded: dict, exports: dict, trainer: dict, state: dict,
-                     keep: int, main: bool = True, barrier=lambda: None) -> Path:
-    """Every rank calls this with its `sharded` tensors; rank 0 (`main`) also writes `exports` (file name to
-    whole state dict), `trainer` (torch.save) and `state` (state.json), then publishes the folder."""
+                     keep: int, main: bool = True, barrier=lambda: None, group=None) -> Path:
+    """Every rank (of `group`, if the run trains on a group of the job's ranks) calls this with its `sharded`
+    tensors; rank 0 (`main`) also writes `exports` (file name to whole state dict), `trainer` (torch.save) and
+    `state` (state.json), then publishes the folder."""
     final = checkpoint_dir(run_dir, images)
     tmp = final.parent / f".tmp-{final.name}"
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    save_sharded(sharded, tmp / "sharded")  # DCP fsyncs its own files
+    save_sharded(sharded, tmp / "sharded", group)  # DCP fsyncs its own files
     if not main:
         return final
     for name, weights in exports.items():
@@ -71,9 +72,9 @@ def adam_state(opt: torch.optim.Optimizer, net: torch.nn.Module) -> dict:
     return held
 
 
-def read_sharded(ckpt: Path, state: dict) -> None:
+def read_sharded(ckpt: Path, state: dict, group=None) -> None:
     """Fill `state`'s tensors in place with this rank's slices of the checkpoint's sharded state."""
     try:
-        load_sharded(state, ckpt / "sharded")
+        load_sharded(state, ckpt / "sharded", group)
     except UnsafeCheckpoint as err:
         raise CheckpointError(str(err)) from None

@@ -14,11 +14,12 @@ import torch
 
 from islands.config import Config
 from islands.data.loader import stream_loader
-from islands.errors import TrainingStopped
+from islands.errors import ConfigError, TrainingStopped, config_errors
 from islands.parallel.launch import World, close_world, init_world
 from islands.rundir import atomic_write_text, latest_checkpoint
 from islands.train.flops import flops_per_image, write_flops
 from islands.trainer.parts import Parts, build_parts, learning_rate, run_length
+from islands.trainer.ranges import tstage_config
 from islands.trainer.reporters import Step, build_reporters
 
 
@@ -29,10 +30,23 @@ def train(cfg: Config, progress: bool = True, teacher=None) -> Path:
     (cfg, device) -> the ensemble as a `Denoiser` (islands.ddm.ensemble.distillation_teacher).
     """
     world = init_world(cfg.parallel.timeout_s)
+    progress = progress and world.is_main
     try:
-        return _train(cfg, world, progress and world.is_main, teacher)
+        if cfg.parallel.strategy == "tstages":
+            cfg, world = range_of_this_rank(cfg, world)
+        return _train(cfg, world, progress, teacher)
     finally:
         close_world()
+
+
+def range_of_this_rank(cfg: Config, world: World) -> tuple[Config, World]:
+    """parallel.strategy=tstages: one group of ranks per range of flow.t_ranges, data parallel inside it and
+    nothing between groups; this rank's range expert and group."""
+    if cfg.flow.t_ranges is None:
+        raise ConfigError("parallel.strategy: 'tstages' needs flow.t_ranges, the boundaries of the ranges")
+    with config_errors("parallel"):
+        index, group = world.split(len(cfg.flow.t_ranges) - 1)
+    return tstage_config(cfg, index, {"strategy": "ddp" if group.distributed else "none"}), group
 
 
 def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:

@@ -70,7 +70,7 @@ class Parts:
         if ckpt is None:
             return Progress()
         held = self.sharded_state()
-        read_sharded(ckpt, held)
+        read_sharded(ckpt, held, self.world.group)
         self.net.load_state_dict(held["model"])
         trainer = read_trainer(ckpt)
         self.scaler.load_state_dict(trainer["scaler"])
@@ -85,7 +85,7 @@ class Parts:
         trainer = {"scaler": self.scaler.state_dict(), "rng": torch.get_rng_state()}
         return write_checkpoint(self.run_dir, progress.images, self.sharded_state(), exports, trainer,
                                 {"progress": asdict(progress)}, self.cfg.train.keep_checkpoints, self.main,
-                                self.world.barrier)
+                                self.world.barrier, self.world.group)
 
     def plain_copy(self) -> torch.nn.Module | None:
         """The averaged (else the raw) weights in a plain network on rank 0; every rank takes part in gathering
