@@ -68,8 +68,8 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
         micro = batch // (world.size * accumulate)
         per_image = flops_per_image(cfg.model, parts.shape, parts.num_classes, parts.objective, micro, world.device,
                                     cfg.train.activation_checkpointing)
-        write_flops(parts.run_dir, per_image, run_length(cfg))
-    reporters = build_reporters(parts, state.images, run_length(cfg), progress)
+        write_flops(parts.run_dir, per_image, run_length(cfg.train.images, batch))
+    reporters = build_reporters(parts, state.images, run_length(cfg.train.images, batch), progress)
     parts.net.train()
     try:
         while state.images < cfg.train.images:
@@ -78,7 +78,7 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
             x, labels = x.to(world.device, non_blocking=True), labels.to(world.device)
             micro_batches = list(zip(x.chunk(accumulate), labels.chunk(accumulate), positions.chunk(accumulate),
                                      strict=True))
-            lr = learning_rate(cfg, state.images)
+            lr = learning_rate(cfg.train.lr, cfg.train.warmup_images, batch, state.images)
             loss, grad_norm, finite = optimizer_step(parts, micro_batches, lr)
 
             # The clock moves on even for a skipped step: its images were consumed.

@@ -149,13 +149,13 @@ def start_from(net: torch.nn.Module, run_dir: Path) -> None:
         raise ConfigError(f"train.init_from: the weights of {run_dir} do not fit this model ({reason})") from None
 
 
-def learning_rate(cfg: Config, images: int) -> float:
-    """Linear warm-up over `train.warmup_images`, then constant."""
-    if cfg.train.warmup_images == 0:
-        return cfg.train.lr
-    return cfg.train.lr * min(1.0, (images + cfg.train.batch_size) / cfg.train.warmup_images)
+def learning_rate(lr: float, warmup_images: int, batch: int, images: int) -> float:
+    """The rate of the step after `images`: linear warm-up over `warmup_images`, then constant."""
+    if warmup_images == 0:
+        return lr
+    return lr * min(1.0, (images + batch) / warmup_images)
 
 
-def run_length(cfg: Config) -> int:
-    """The images a run consumes: whole global batches."""
-    return math.ceil(cfg.train.images / cfg.train.batch_size) * cfg.train.batch_size
+def run_length(images: int, batch: int) -> int:
+    """The images a run of `images` consumes: whole global batches."""
+    return math.ceil(images / batch) * batch
