@@ -12,7 +12,7 @@ from benchmarks.common import RESULTS
 
 BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "networks", "parallel", "fd_scale",
               "mode_weights", "samplers", "ddm_routing", "routed_sampling", "ddm_gmm", "ddm_fashion",
-              "range_experts"]
+              "range_experts", "distributed_sampling"]
 
 
 def main() -> None:

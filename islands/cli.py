@@ -68,8 +68,9 @@ def _sample(args) -> int:
 
     if (Path(args.run_dir) / "ensemble.json").exists():
         return _sample_ensemble(args)
-    if args.routing or args.max_loaded:
-        raise ConfigError(f"--routing: {args.run_dir} is not an ensemble directory (no ensemble.json)")
+    if args.routing or args.max_loaded or args.distributed:
+        option = "--routing" if args.routing else "--max-loaded" if args.max_loaded else "--distributed"
+        raise ConfigError(f"{option}: {args.run_dir} is not an ensemble directory (no ensemble.json)")
     if (Path(args.run_dir) / "tstages").is_dir():  # timestep-range experts, gated by t
         from islands.ddm.time_gate import load_time_gate
 
@@ -111,6 +112,8 @@ def _sample_ensemble(args) -> int:
     opts = opts.model_copy(update={"batch_size": mixture.sampling_batch(opts.batch_size)})
     seed = cfg.seed if args.seed is None else args.seed
     labels = sample_labels(args.num, num_classes, args.class_label)
+    if args.distributed:  # under torchrun: each rank holds some of the experts
+        return _sample_distributed(args, mixture, manifest, shape, opts, seed, labels)
     prepare = ancestral_preparation(mixture, manifest, seed)
     x = generate(mixture, shape, args.num, opts, seed, labels, progress=not args.quiet, prepare=prepare)
     for path in write_samples(x, labels, Path(args.out)):
@@ -118,6 +121,24 @@ def _sample_ensemble(args) -> int:
     one_model = evaluations_per_sample(opts.solver, opts.steps, opts.guidance if labels is not None else 1.0)
     print(f"expert evaluations per sample: {mixture.evaluations / args.num:.1f} "
           f"({args.routing or DEFAULT_ROUTING} routing; one model would take {one_model})")
+    return 0
+
+
+def _sample_distributed(args, mixture, manifest, shape, opts, seed, labels) -> int:
+    from islands.ddm.expert_parallel import sample_distributed
+    from islands.generate import write_samples
+    from islands.parallel.launch import close_world, init_world
+
+    world = init_world()
+    try:
+        x, stats = sample_distributed(mixture, manifest, shape, args.num, opts, seed, labels, world)
+    finally:
+        close_world()
+    if world.is_main:
+        for path in write_samples(x, labels, Path(args.out)):
+            print(f"wrote {path}")
+        print(f"{world.size} ranks: {stats['images_per_s']:.1f} images/s, {stats['bytes_moved'] / 1e6:.2f} MB moved "
+              f"between ranks, {stats['expert_evaluations_per_sample']:.1f} expert evaluations per sample")
     return 0
 
 
@@ -229,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", help=f"ensembles only: {', '.join(ROUTINGS)} (default {DEFAULT_ROUTING}; "
                                      "oracle and threshold:P are older names of ancestral and nucleus:P)")
     p.add_argument("--max-loaded", type=int, help="ensembles only: keep at most this many experts in memory")
+    p.add_argument("--distributed", action="store_true",
+                   help="ensembles only, under torchrun: spread the experts over the ranks (each loads its own)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_sample)
 

@@ -6,7 +6,9 @@ import json
 import os
 import pickle
 import shutil
+import socket
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -375,3 +377,33 @@ def test_the_monolith_of_the_same_budget_is_trained_and_compared_side_by_side(en
     assert extra_images == pytest.approx(router / mono["flops_per_image"], abs=cfg.train.batch_size)
     assert table["expert_evaluations_per_sample"] == {"ensemble": 23, "monolith": 23}
     assert (root / "comparison.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("routing", ["full", "ancestral"])  # the most traffic, and the default
+def test_experts_spread_over_two_ranks_sample_what_one_process_samples(ensemble, tmp_path, capsys, routing):
+    """torchrun ... islands sample ENSEMBLE --distributed: each rank owns two of the four experts, routes its half
+    of the samples, and sends every (sample, expert) pair to the expert's rank and the velocity back."""
+    _, root = ensemble
+    assert main(["sample", str(root), "--num", "30", "--routing", routing, "--out", str(tmp_path / "one"),
+                 "--quiet"]) == 0
+    capsys.readouterr()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # the two ranks as torchrun starts them (its own parser would take --num for its --numa-binding)
+    ranks = [subprocess.Popen([sys.executable, "-m", "islands", "sample", str(root), "--num", "30", "--routing",
+                               routing, "--distributed", "--out", str(tmp_path / "two"), "--quiet"],
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outputs = [p.communicate(timeout=240) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert [p.returncode for p in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+    run = subprocess.CompletedProcess(ranks[0].args, 0, *outputs[0])
+    one, two = (np.load(tmp_path / name / "samples.npz")["x"] for name in ("one", "two"))
+    assert one.shape == two.shape == (30, 2) and np.allclose(one, two, atol=1e-5), np.abs(one - two).max()
+    moved = float(run.stdout.split("images/s, ")[1].split(" MB")[0])
+    assert "2 ranks:" in run.stdout and moved > 0  # samples really travelled to the other rank's experts

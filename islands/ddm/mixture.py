@@ -199,14 +199,14 @@ class Mixture(nn.Module):
     # --- the velocity -----------------------------------------------------------------------------
     def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
         t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(x.shape[0])
-        weights = self._weights(x, t, cond)  # (B, K), zero where not selected, rows sum to 1
+        weights = self.selection_weights(x, t, cond)  # (B, K), zero where not selected, rows sum to 1
         selected = weights > 0
         order = [k for k in self._loaded if selected[:, k].any()]  # loaded experts first: fewer reloads
         order += [k for k in range(len(self.slots)) if k not in order and selected[:, k].any()]
         contributions = {}
         for k in order:
             rows = selected[:, k].nonzero().squeeze(1)
-            v = self._expert(k)(x[rows], t[rows], None if cond is None else cond[rows]).to(x.dtype)
+            v = self.expert(k)(x[rows], t[rows], None if cond is None else cond[rows]).to(x.dtype)
             contributions[k] = (rows, broadcast(weights[rows, k], v) * v)
             self.evaluations += rows.numel()
             self.evaluations_by_expert[k] += rows.numel()
@@ -216,7 +216,7 @@ class Mixture(nn.Module):
             out[rows] += term
         return out
 
-    def _weights(self, x: Tensor, t: Tensor, cond: Tensor | None) -> Tensor:
+    def selection_weights(self, x: Tensor, t: Tensor, cond: Tensor | None) -> Tensor:
         """Per-sample weights of the selected experts, float64 (B, K)."""
         batch, num = x.shape[0], len(self.slots)
         if self.routing.needs_assignment:
@@ -276,7 +276,7 @@ class Mixture(nn.Module):
                     warnings.warn(f"{slot.name} {slot.missing}; routing around it", IslandsWarning, stacklevel=3)
             self._warned_missing = True
 
-    def _expert(self, k: int) -> Denoiser:
+    def expert(self, k: int) -> Denoiser:
         """Expert k, loaded if need be, dropping the least recently used beyond `max_loaded`."""
         if k in self._loaded:
             self._loaded.move_to_end(k)

@@ -12,7 +12,8 @@ parameter from its owner then add up to an all-gather of the whole parameters.
 from collections import defaultdict
 
 RING_FACTOR = {"all_reduce": lambda w: 2 * (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w,
-               "all_gather": lambda w: (w - 1) / w, "broadcast": lambda w: (w - 1) / w}
+               "all_gather": lambda w: (w - 1) / w, "broadcast": lambda w: (w - 1) / w,
+               "all_to_all": lambda w: 1.0}  # booked at the bytes that leave the rank, counted by the caller
 
 
 def bytes_sent(collective: str, payload_bytes: int, world: int) -> float:
