@@ -68,10 +68,12 @@ def _sample(args) -> int:
 
     if (Path(args.run_dir) / "ensemble.json").exists():
         return _sample_ensemble(args)
-    if args.routing or args.max_loaded or args.distributed:
+    ranges = (Path(args.run_dir) / "tstages").is_dir()
+    if args.routing or args.max_loaded or (args.distributed and not ranges):
         option = "--routing" if args.routing else "--max-loaded" if args.max_loaded else "--distributed"
-        raise ConfigError(f"{option}: {args.run_dir} is not an ensemble directory (no ensemble.json)")
-    if (Path(args.run_dir) / "tstages").is_dir():  # timestep-range experts, gated by t
+        raise ConfigError(f"{option}: {args.run_dir} is not an ensemble directory (no ensemble.json) nor a run of "
+                          "timestep-range experts (no tstages/)")
+    if ranges:  # timestep-range experts, gated by t
         from islands.ddm.time_gate import load_time_gate
 
         denoiser, cfg, info = load_time_gate(Path(args.run_dir), use_ema=not args.no_ema)
@@ -84,6 +86,8 @@ def _sample(args) -> int:
         torch.set_num_threads(args.threads)
     labels = sample_labels(args.num, info["num_classes"], args.class_label)
     seed = cfg.seed if args.seed is None else args.seed
+    if args.distributed:  # under torchrun: one range expert per rank, batches flowing from the noisiest range on
+        return _sample_distributed(args, denoiser, None, tuple(info["shape"]), opts, seed, labels)
     x = generate(denoiser, tuple(info["shape"]), args.num, opts, seed, labels, progress=not args.quiet)
     for path in write_samples(x, labels, Path(args.out)):
         print(f"wrote {path}")
@@ -125,20 +129,25 @@ def _sample_ensemble(args) -> int:
 
 
 def _sample_distributed(args, mixture, manifest, shape, opts, seed, labels) -> int:
-    from islands.ddm.expert_parallel import sample_distributed
+    from islands.ddm.expert_parallel import sample_distributed, sample_range_pipeline
     from islands.generate import write_samples
     from islands.parallel.launch import close_world, init_world
 
     world = init_world()
     try:
-        x, stats = sample_distributed(mixture, manifest, shape, args.num, opts, seed, labels, world)
+        if manifest is None:  # timestep-range experts (`mixture` is their gate)
+            x, stats = sample_range_pipeline(mixture, shape, args.num, opts, seed, labels, world)
+        else:
+            x, stats = sample_distributed(mixture, manifest, shape, args.num, opts, seed, labels, world)
     finally:
         close_world()
     if world.is_main:
         for path in write_samples(x, labels, Path(args.out)):
             print(f"wrote {path}")
+        evaluations = (f", {stats['expert_evaluations_per_sample']:.1f} expert evaluations per sample"
+                       if "expert_evaluations_per_sample" in stats else "")
         print(f"{world.size} ranks: {stats['images_per_s']:.1f} images/s, {stats['bytes_moved'] / 1e6:.2f} MB moved "
-              f"between ranks, {stats['expert_evaluations_per_sample']:.1f} expert evaluations per sample")
+              f"between ranks{evaluations}")
     return 0
 
 

@@ -1,3 +1,8 @@
+import os
+import socket
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +20,24 @@ def image_npz(tmp_path):
     path = tmp_path / "images.npz"
     np.savez(path, x=rng.integers(0, 256, size=(64, 1, 8, 8), dtype=np.uint8), y=np.arange(64) % 4)
     return path
+
+
+def run_ranks(argv: list[str], nproc: int = 2, timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """`python -m islands ARGV` on `nproc` ranks started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT,
+    one thread each) but without its agent, whose parser would take options such as --num for its own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-m", "islands", *argv],
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(nproc)]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(ranks, outputs, strict=True)]
 
 
 def write_config(path, cfg: dict) -> str:

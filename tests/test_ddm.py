@@ -6,14 +6,13 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import run_ranks
 
 from islands.cli import main
 from islands.config import to_dict, validate
@@ -387,22 +386,10 @@ def test_experts_spread_over_two_ranks_sample_what_one_process_samples(ensemble,
     assert main(["sample", str(root), "--num", "30", "--routing", routing, "--out", str(tmp_path / "one"),
                  "--quiet"]) == 0
     capsys.readouterr()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # the two ranks as torchrun starts them (its own parser would take --num for its --numa-binding)
-    ranks = [subprocess.Popen([sys.executable, "-m", "islands", "sample", str(root), "--num", "30", "--routing",
-                               routing, "--distributed", "--out", str(tmp_path / "two"), "--quiet"],
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
-                                   "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        outputs = [p.communicate(timeout=240) for p in ranks]
-    finally:
-        for p in ranks:
-            p.kill()
-    assert [p.returncode for p in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
-    run = subprocess.CompletedProcess(ranks[0].args, 0, *outputs[0])
+    ranks = run_ranks(["sample", str(root), "--num", "30", "--routing", routing, "--distributed", "--out",
+                       str(tmp_path / "two"), "--quiet"])
+    assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
+    run = ranks[0]
     one, two = (np.load(tmp_path / name / "samples.npz")["x"] for name in ("one", "two"))
     assert one.shape == two.shape == (30, 2) and np.allclose(one, two, atol=1e-5), np.abs(one - two).max()
     moved = float(run.stdout.split("images/s, ")[1].split(" MB")[0])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import tiny_unet, write_config
+from conftest import run_ranks, tiny_unet, write_config
 
 from islands.cli import main
 from islands.config import ConfigError, validate
@@ -144,3 +144,27 @@ def test_a_cluster_by_range_grid_samples_every_mode_and_every_policy_works(tmp_p
         x = sample(mixture, noise, steps=12).double()
         mass = torch.bincount(torch.cdist(x, truth.means).argmin(1), minlength=4).double() / len(x)
         assert (mass > 0.5 * truth.weights).all() and 0.5 * (mass - truth.weights).abs().sum() < 0.08, (routing, mass)
+
+
+def test_range_experts_on_two_ranks_pipeline_their_batches_and_sample_what_one_process_samples(tmp_path, capsys):
+    """torchrun ... islands sample RUN --distributed: rank 0 integrates each batch from noise to t = 0.5 and sends
+    it on to rank 1, which integrates the rest; three batches keep both ranks busy at once."""
+    cfg = {"run_dir": str(tmp_path / "ranges"), "seed": 0,
+           "data": {"source": "gmm", "means": [[-2.0, 0.0], [2.0, 0.0]], "std": 0.2, "size": 2000},
+           "model": {"arch": "mlp", "hidden": 32, "depth": 2}, "flow": {"t_ranges": [0.0, 0.5, 1.0]},
+           "train": {"images": 2048, "batch_size": 256, "checkpoint_every": 2048, "log_every": 2048},
+           "sample": {"steps": 6, "batch_size": 40}}
+    config = write_config(tmp_path / "ranges.yaml", cfg)
+    for stage in ("tstage=0", "tstage=1"):
+        assert main(["train", config, stage, "--quiet"]) == 0
+    assert main(["sample", cfg["run_dir"], "--num", "100", "--out", str(tmp_path / "one"), "--quiet"]) == 0
+    capsys.readouterr()
+    ranks = run_ranks(["sample", cfg["run_dir"], "--num", "100", "--distributed", "--out", str(tmp_path / "two"),
+                       "--quiet"])
+    assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
+    one, two = (np.load(tmp_path / name / "samples.npz")["x"] for name in ("one", "two"))
+    assert one.shape == two.shape == (100, 2) and np.array_equal(one, two)
+    assert "2 ranks:" in ranks[0].stdout
+    ranks = run_ranks(["sample", cfg["run_dir"], "--num", "10", "--distributed", "--solver", "dpm2m", "--out",
+                       str(tmp_path / "three"), "--quiet"])
+    assert [r.returncode for r in ranks] == [2, 2] and "sample.solver: 'dpm2m' keeps a history" in ranks[0].stderr

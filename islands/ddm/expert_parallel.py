@@ -1,4 +1,5 @@
-"""An ensemble's experts spread over the ranks when sampling (expert parallelism at inference).
+"""An ensemble's experts spread over the ranks when sampling (expert parallelism at inference): cluster experts by
+an all-to-all of (sample, expert) pairs, timestep-range experts by a pipeline of batches (`sample_range_pipeline`).
 
 Rank r owns the experts k with k % W == r and loads only those (the `Mixture` loads an expert on first use, and a
 rank uses only its own). Every rank samples its own slice of the samples; at each evaluation it routes its slice
@@ -15,11 +16,15 @@ import time
 import torch
 from torch import Tensor, nn
 
+from islands.data import streams
 from islands.ddm.ensemble import ancestral_preparation
 from islands.ddm.mixture import Mixture
+from islands.ddm.time_gate import TimeGate
+from islands.errors import ConfigError
 from islands.flow.denoiser import broadcast
-from islands.generate import generate
-from islands.parallel.expert_parallel import exchange
+from islands.flow.samplers import HEUN_T_MIN, euler, guided, heun, time_grid, with_boundaries
+from islands.generate import generate, sampling_precision
+from islands.parallel.expert_parallel import exchange, receive_from, send_to
 from islands.parallel.launch import World
 from islands.parallel.ledger import Ledger
 
@@ -35,7 +40,10 @@ class ExpertParallelMixture(nn.Module):
     def owner(self, k: int) -> int:
         return k % self.world.size
 
-    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
+    def for_range(self, i: int):
+        return lambda x, t, cond=None: self.forward(x, t, cond, time_range=i)
+
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None, time_range: int | None = None) -> Tensor:
         t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(x.shape[0])
         weights = self.mixture.selection_weights(x, t, cond)
         rows, experts = (weights > 0).nonzero(as_tuple=True)
@@ -51,7 +59,7 @@ class ExpertParallelMixture(nn.Module):
             v = torch.empty_like(xs)
             for k in ks.unique().tolist():
                 at = (ks == k).nonzero().squeeze(1)
-                v[at] = self.mixture.expert(k)(xs[at], ts[at], cs[0][at] if cs else None).to(x.dtype)
+                v[at] = self.mixture.expert(k, time_range)(xs[at], ts[at], cs[0][at] if cs else None).to(x.dtype)
             answers.append([v])
         velocity = x.new_empty((rows.numel(), *x.shape[1:]))
         for rank, (v,) in enumerate(exchange(answers, self.world, self.ledger)):
@@ -85,3 +93,52 @@ def sample_distributed(mixture: Mixture, manifest: dict, shape: tuple, num: int,
     stats = {"images_per_s": num / seconds, "bytes_moved": moved * world.size,
              "expert_evaluations_per_sample": evaluations * world.size / (per * world.size)}
     return (torch.cat([chunk for (chunk,) in gathered])[:num] if world.is_main else None), stats
+
+
+def sample_range_pipeline(gate: TimeGate, shape: tuple, num: int, opts, seed: int, labels: Tensor | None,
+                          world: World) -> tuple[Tensor | None, dict]:
+    """`num` samples of timestep-range experts, one range per rank: rank 0 integrates each batch from noise down to
+    its range's lower boundary and sends it on to the rank of the next range, then starts the next batch, so that
+    every rank works at once on a different batch. Each rank integrates the part of the sampler's grid (boundaries
+    included) that lies in its range; a one-step solver's steps depend only on their two times, so the samples
+    are those of one process. The world is the whole job. -> (the samples on rank 0, None elsewhere; images/s and
+    bytes moved)."""
+    if world.size != len(gate.experts):
+        raise ConfigError(f"--distributed: {len(gate.experts)} range experts need {len(gate.experts)} ranks, "
+                          f"not {world.size}")
+    if opts.solver not in ("euler", "heun"):  # a multistep solver's history would cross ranks
+        raise ConfigError(f"sample.solver: {opts.solver!r} keeps a history across steps; pipelined ranges take euler "
+                          "or heun")
+    solve = {"euler": euler, "heun": heun}[opts.solver]
+    index = len(gate.experts) - 1 - world.rank  # rank 0 the noisiest range
+    lo, hi = gate.boundaries[index], gate.boundaries[index + 1]
+    grid = with_boundaries(time_grid(opts.steps, opts.grid, t_min=HEUN_T_MIN if opts.solver == "heun" else 0.0),
+                           gate.time_boundaries)
+    segment = grid[(grid >= lo) & (grid <= hi)]
+    field = guided(gate.experts[index], opts.guidance)
+    batches = [(b, min(num, b + opts.batch_size)) for b in range(0, num, opts.batch_size)]
+    done, moved = [], 0
+    world.barrier()
+    start = time.perf_counter()
+    for first, last in batches:
+        if world.rank == 0:
+            x = streams.normal(seed, list(range(first, last)), shape, "sample")
+        else:
+            x = receive_from((last - first, *shape), world.rank - 1)
+        cond = None if labels is None else labels[first:last]
+        with sampling_precision(opts.precision, x.device):
+            x = solve(lambda x_, t_, c=cond: field(x_, t_, c).to(x_.dtype), x, segment).float()
+        if world.rank < world.size - 1:
+            moved += send_to(x, world.rank + 1)
+        else:
+            done.append(x)
+    samples = None
+    if world.size > 1 and world.rank == world.size - 1:  # the cleanest range hands the samples to rank 0
+        send_to(torch.cat(done), 0)
+    elif world.size > 1 and world.rank == 0:
+        samples = receive_from((num, *shape), world.size - 1)
+    else:
+        samples = torch.cat(done)
+    seconds = time.perf_counter() - start
+    (moved,) = world.mean([float(moved)])
+    return samples, {"images_per_s": num / seconds, "bytes_moved": moved * world.size}

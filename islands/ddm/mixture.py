@@ -197,7 +197,12 @@ class Mixture(nn.Module):
         self._assigned = clusters
 
     # --- the velocity -----------------------------------------------------------------------------
-    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
+    def for_range(self, i: int) -> Denoiser:
+        """The mixture with each expert's timestep-range expert i answering (a cluster x range grid), for a sampler
+        integrating range i."""
+        return lambda x, t, cond=None: self.forward(x, t, cond, time_range=i)
+
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None, time_range: int | None = None) -> Tensor:
         t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(x.shape[0])
         weights = self.selection_weights(x, t, cond)  # (B, K), zero where not selected, rows sum to 1
         selected = weights > 0
@@ -206,7 +211,7 @@ class Mixture(nn.Module):
         contributions = {}
         for k in order:
             rows = selected[:, k].nonzero().squeeze(1)
-            v = self.expert(k)(x[rows], t[rows], None if cond is None else cond[rows]).to(x.dtype)
+            v = self.expert(k, time_range)(x[rows], t[rows], None if cond is None else cond[rows]).to(x.dtype)
             contributions[k] = (rows, broadcast(weights[rows, k], v) * v)
             self.evaluations += rows.numel()
             self.evaluations_by_expert[k] += rows.numel()
@@ -276,13 +281,15 @@ class Mixture(nn.Module):
                     warnings.warn(f"{slot.name} {slot.missing}; routing around it", IslandsWarning, stacklevel=3)
             self._warned_missing = True
 
-    def expert(self, k: int) -> Denoiser:
-        """Expert k, loaded if need be, dropping the least recently used beyond `max_loaded`."""
+    def expert(self, k: int, time_range: int | None = None) -> Denoiser:
+        """Expert k (its timestep-range expert `time_range`, in a grid), loaded if need be, dropping the least
+        recently used beyond `max_loaded`."""
         if k in self._loaded:
             self._loaded.move_to_end(k)
-            return self._loaded[k]
-        if self.max_loaded is not None:
-            while len(self._loaded) >= self.max_loaded:
-                self._loaded.popitem(last=False)
-        self._loaded[k] = self.slots[k].load()
-        return self._loaded[k]
+        else:
+            if self.max_loaded is not None:
+                while len(self._loaded) >= self.max_loaded:
+                    self._loaded.popitem(last=False)
+            self._loaded[k] = self.slots[k].load()
+        expert = self._loaded[k]
+        return expert if time_range is None else expert.for_range(time_range)

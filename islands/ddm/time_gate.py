@@ -2,9 +2,9 @@
 of its range, and a gate by t picks it.
 
 With boundaries 0 = b_0 < b_1 < ... < b_R = 1, expert i owns (b_i, b_{i+1}] (expert 0 owns t = 0 too). The gate
-tells samplers its inner boundaries (`time_boundaries`), which put them into their time grids, so that every solver
-step lies inside one range. A step that ends on a boundary evaluates its end point (Heun's corrector) with the
-expert below it: both experts were trained up to that time, and the velocity they estimate is continuous there.
+tells samplers its inner boundaries (`time_boundaries`), which put them into their time grids and integrate each
+range with that range's expert alone (`for_range`), so that no solver step, not even Heun's corrector on a
+boundary, mixes two experts. Called directly at a boundary, the gate answers with the expert below it.
 """
 
 from pathlib import Path
@@ -33,6 +33,14 @@ class TimeGate(nn.Module):
     def time_boundaries(self) -> list[float]:
         """The times at which one expert hands over to the next, for the samplers' grids."""
         return self.boundaries[1:-1]
+
+    def for_range(self, i: int) -> Denoiser:
+        """Range i's expert alone, for a sampler integrating that range (counted as the gate's evaluations)."""
+        def answer(x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
+            self.evaluations += x.shape[0]
+            return self.experts[i](x, t, cond)
+
+        return answer
 
     def expert_index(self, t: Tensor) -> Tensor:
         """The expert of each canonical time: the number of inner boundaries strictly below it, compared in t's own

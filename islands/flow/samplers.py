@@ -92,13 +92,17 @@ def time_grid(steps: int, kind: str = "uniform", shift: float = 3.0, rho: float 
 
 
 def with_boundaries(grid: Tensor, boundaries) -> Tensor:
-    """The decreasing grid with `boundaries` added where it lacks them, so that no step crosses one (timestep-range
-    experts hand over there: a step across a boundary would mix two experts within one solver update)."""
-    if not len(boundaries):
-        return grid
-    extra = torch.tensor([b for b in boundaries if not torch.isclose(grid, torch.tensor(float(b), dtype=grid.dtype),
-                                                                     rtol=0, atol=1e-12).any()], dtype=grid.dtype)
-    return torch.cat([grid, extra]).sort(descending=True).values
+    """The decreasing grid with every one of `boundaries` in it, exactly (a grid point within 1e-12 of one is moved
+    onto it, else the boundary is added), so that no step crosses one: timestep-range experts hand over there."""
+    grid = grid.clone()
+    extra = []
+    for b in boundaries:
+        near = (grid - b).abs() <= 1e-12
+        if near.any():
+            grid[near] = b
+        else:
+            extra.append(float(b))
+    return torch.cat([grid, torch.tensor(extra, dtype=grid.dtype)]).sort(descending=True).values
 
 
 def guided(denoiser: Denoiser, scale: float) -> Denoiser:
@@ -278,15 +282,30 @@ def sample(
     """Integrate dx/dt = v(x, t) from noise at t = 1 to t = 0 and return the samples."""
     if solver not in _SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose from {SOLVERS}")
+    # A denoiser made of timestep-range experts says where they hand over (`time_boundaries`) and which denoiser
+    # answers inside range i (`for_range(i)`, ranges counted from t = 0): each range is integrated on its own part
+    # of the grid with its own expert, so no step, not even Heun's corrector on a boundary, mixes two experts (and
+    # a multistep solver starts its history again in each range).
+    bounds = sorted(getattr(denoiser, "time_boundaries", ()))
+    ts = with_boundaries(time_grid(steps, grid, t_min=HEUN_T_MIN if solver == "heun" else 0.0), bounds)
+    if not bounds:
+        return _SOLVERS[solver](_velocity(denoiser, guidance, cond), noise, ts)
+    edges = [0.0, *bounds, 1.0]
+    x = noise
+    for i in reversed(range(len(edges) - 1)):  # from the noisiest range down
+        segment = ts[(ts >= edges[i]) & (ts <= edges[i + 1])]
+        if len(segment) > 1:
+            x = _SOLVERS[solver](_velocity(denoiser.for_range(i), guidance, cond), x, segment)
+    return x
+
+
+def _velocity(denoiser: Denoiser, guidance: float, cond: Tensor | None) -> Callable:
     field = guided(denoiser, guidance)
-    # a denoiser made of timestep-range experts says where they hand over
-    ts = with_boundaries(time_grid(steps, grid, t_min=HEUN_T_MIN if solver == "heun" else 0.0),
-                         getattr(denoiser, "time_boundaries", ()))
 
     def v(x: Tensor, t: Tensor) -> Tensor:
         return field(x, t, cond).to(x.dtype)
 
-    return _SOLVERS[solver](v, noise, ts)
+    return v
 
 
 def evaluations_per_sample(solver: str, steps: int, guidance: float = 1.0) -> int:

@@ -28,3 +28,17 @@ def exchange(parts: list[list[torch.Tensor]], world: World, ledger: Ledger | Non
         for source, chunk in enumerate(out.split(recv_splits)):
             received[source].append(chunk)
     return received
+
+
+def send_to(x: torch.Tensor, rank: int) -> int:
+    """x to `rank` of the job (blocking until it is taken); -> the bytes sent."""
+    x = x.contiguous()
+    dist.send(x, dst=rank)
+    return x.numel() * x.element_size()
+
+
+def receive_from(shape: tuple, rank: int, dtype=torch.float32) -> torch.Tensor:
+    """A tensor of `shape` from `rank` of the job."""
+    x = torch.empty(shape, dtype=dtype)
+    dist.recv(x, src=rank)
+    return x
