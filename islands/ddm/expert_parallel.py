@@ -37,9 +37,6 @@ class ExpertParallelMixture(nn.Module):
         self.time_boundaries = mixture.time_boundaries
         self.evaluations = 0  # (sample, expert) pairs of this rank's samples, wherever they were evaluated
 
-    def owner(self, k: int) -> int:
-        return k % self.world.size
-
     def for_range(self, i: int):
         return lambda x, t, cond=None: self.forward(x, t, cond, time_range=i)
 
@@ -48,7 +45,7 @@ class ExpertParallelMixture(nn.Module):
         weights = self.mixture.selection_weights(x, t, cond)
         rows, experts = (weights > 0).nonzero(as_tuple=True)
         self.evaluations += rows.numel()
-        home = experts % self.world.size
+        home = experts % self.world.size  # the rank that owns each pair's expert
         outgoing = []
         for rank in range(self.world.size):
             pick = rows[home == rank]
@@ -91,7 +88,7 @@ def sample_distributed(mixture: Mixture, manifest: dict, shape: tuple, num: int,
     seconds = time.perf_counter() - start
     moved, evaluations = world.mean([sum(parallel.ledger.step.values()), float(parallel.evaluations)])
     stats = {"images_per_s": num / seconds, "bytes_moved": moved * world.size,
-             "expert_evaluations_per_sample": evaluations * world.size / (per * world.size)}
+             "expert_evaluations_per_sample": evaluations / per}
     return (torch.cat([chunk for (chunk,) in gathered])[:num] if world.is_main else None), stats
 
 

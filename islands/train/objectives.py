@@ -7,6 +7,7 @@ where it stopped. `produces` says what comes out of the run ("denoiser": sample 
 its accuracy by t), so the trainer picks its reporters without asking which objective it holds.
 """
 
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
@@ -46,13 +47,14 @@ def canonical_x_t(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tor
     return (1 - broadcast(t, x0)) * x0 + broadcast(t, x0) * noise
 
 
-class Objective:
+class Objective(ABC):
     produces: ClassVar[str] = "denoiser"
 
+    @abstractmethod
     def __call__(self, net, x0: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The per-example loss (B,)."""
 
-    def prepare(self, net: torch.nn.Module) -> None:
+    def prepare(self, net: torch.nn.Module) -> None:  # noqa: B027 -- a hook most objectives leave empty
         """Set what the network needs from the data before training (nothing, unless the objective says)."""
 
     def validation_loss(self, net, x0: torch.Tensor, labels: torch.Tensor | None, times: int) -> list[float] | None:

@@ -8,6 +8,7 @@ order (the metrics log averages over ranks, the others gather the weights); only
 import json
 import math
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -42,18 +43,18 @@ def crossed(before: int, after: int, every: int) -> bool:
     return every > 0 and after // every > before // every
 
 
-class Reporter:
+class Reporter(ABC):
     every = 0  # images between reports; 0: at the end only
 
     def __call__(self, step: Step) -> None:
         if step.done or crossed(step.before, step.progress.images, self.every):
             self.report(step)
 
-    def report(self, step: Step) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def report(self, step: Step) -> None: ...
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 -- a hook for reporters that hold files
+        """Release what the reporter holds open (nothing, unless it says)."""
 
 
 class MetricsLog(Reporter):
