@@ -64,8 +64,8 @@ def memory_worker(strategy_name: str, out: str) -> None:
     from islands.flow.objectives import training_loss
     from islands.flow.paths import build_path
     from islands.nets import build_network
+    from islands.parallel.build import build_strategy
     from islands.parallel.launch import close_world, init_world
-    from islands.parallel.strategies import build_strategy
 
     world = init_world(TIMEOUT_S)
     strategy = build_strategy(strategy_name, world)

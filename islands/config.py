@@ -304,10 +304,23 @@ class DDMConfig(Section):
 
 
 class ParallelConfig(Section):
-    # tstages: the ranks split into one group per range of flow.t_ranges, each training its range (ddp inside it)
-    strategy: Literal["none", "ddp", "zero1", "zero2", "fsdp", "tstages"] = "none"
+    # tstages: the ranks split into one group per range of flow.t_ranges, each training its range (ddp inside it);
+    # pipeline: the network cut into stages on different ranks, micro-batches flowing through them
+    strategy: Literal["none", "ddp", "zero1", "zero2", "fsdp", "tstages", "pipeline"] = "none"
     timeout_s: float = Field(600.0, gt=0)  # a collective that waits longer fails every rank
     compression: Literal["none", "fp16", "bf16"] = "none"  # precision of gradient reduction on the wire
+    stages: int = Field(2, ge=1)  # pipeline: ranks per pipeline
+    microbatches: int = Field(4, ge=1)  # pipeline: pieces of each rank's batch that flow through the stages
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"  # pipeline: torch.distributed.pipelining's schedule
+    virtual_stages: int = Field(1, ge=1)  # interleaved: stages per rank (the network is cut into stages x V)
+    data: int | None = Field(None, ge=1)  # pipeline: data-parallel copies of the pipeline; None: world / stages
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
+            raise ValueError("virtual_stages: the interleaved schedule needs virtual_stages >= 2, "
+                             f"and only it has virtual stages (schedule={self.schedule!r})")
+        return self
 
 
 class Config(Section):

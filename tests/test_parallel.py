@@ -469,8 +469,8 @@ def _probe_two_ranks(rank: int, port: int, out: str) -> None:
     """Rank `rank` of 2: the strategies' own objects, one real step each, and what they hold and send."""
     import torch.distributed as dist
 
+    from islands.parallel.build import STRATEGIES
     from islands.parallel.launch import World
-    from islands.parallel.strategies import STRATEGIES
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from islands.nets.layers import ConditionEmbedder, modulate
+from islands.nets.layers import ConditionEmbedder, StagedNetwork, modulate
 
 # Model sizes from the paper, Table 1.
 DIT_PRESETS = {
@@ -89,7 +89,9 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm(x), shift, scale))
 
 
-class DiT(nn.Module):
+class DiT(StagedNetwork):
+    stem_modules, head_modules = ("x_embedder", "embed"), ("final_layer",)
+
     def __init__(self, input_size, in_channels, patch_size=2, hidden_size=384, depth=12, num_heads=6,
                  mlp_ratio=4.0, num_classes=0):
         super().__init__()
@@ -100,6 +102,7 @@ class DiT(nn.Module):
         if hidden_size % 4:
             raise ValueError(f"hidden_size ({hidden_size}) must be divisible by 4 for the 2-D sin-cos embedding")
         self.in_channels = in_channels
+        self.input_shape = (in_channels, input_size, input_size)
         self.patch_size = patch_size
         self.grid_size = input_size // patch_size
         self.num_classes = num_classes
@@ -145,13 +148,18 @@ class DiT(nn.Module):
         x = torch.einsum("bhwpqc->bchpwq", x)
         return x.reshape(B, C, g * p, g * p)
 
-    def forward(self, x, t, cond=None):
+    def stem(self, x, t, cond=None):
         # The residual stream keeps the patch embedding's dtype: under bf16 autocast an fp32 pos_embed would promote
         # it to fp32 and every block's casts, norms and modulation with it; a bf16 stream made a training step 1.10x
         # faster with the same loss curve (docs/BENCHMARKS.md, networks).
         x = self.x_embedder(x).flatten(2).transpose(1, 2)  # (B, T, D)
         x = x + self.pos_embed.to(x.dtype)
-        c = self.embed(t, cond)
-        for block in self.blocks:
-            x = block(x, c)
+        return x, self.embed(t, cond)
+
+    def block_forward(self, i, carry):
+        x, c = carry
+        return self.blocks[i](x, c), c
+
+    def head(self, carry):
+        x, c = carry
         return self.unpatchify(self.final_layer(x, c))

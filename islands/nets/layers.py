@@ -1,6 +1,7 @@
 """Layers shared by the networks: time and label embeddings, modulation, init helpers."""
 
 import math
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn as nn
@@ -99,3 +100,31 @@ def group_norm(channels, max_groups=32):
     """GroupNorm with the largest group count <= max_groups that divides channels."""
     groups = max(g for g in range(1, min(max_groups, channels) + 1) if channels % g == 0)
     return nn.GroupNorm(groups, channels)
+
+
+class StagedNetwork(nn.Module, ABC):
+    """A network written as stem -> blocks -> head over a carried tuple of tensors, so that it can be cut between
+    any two blocks from outside (pipeline stages, islands/parallel/pipeline.py) while `forward` stays the plain
+    composition. `stem_modules` and `head_modules` name the children the stem and the head use; root buffers
+    belong to the stem. `input_shape` is the shape of one example."""
+
+    stem_modules: tuple[str, ...] = ()
+    head_modules: tuple[str, ...] = ()
+
+    @abstractmethod
+    def stem(self, x, t, cond=None) -> tuple:
+        """(x, t, cond) -> the carry into block 0."""
+
+    @abstractmethod
+    def block_forward(self, i: int, carry: tuple) -> tuple:
+        """Block i: the carry into it -> the carry out of it."""
+
+    @abstractmethod
+    def head(self, carry: tuple):
+        """The carry out of the last block -> the prediction, shaped like x."""
+
+    def forward(self, x, t, cond=None):
+        carry = self.stem(x, t, cond)
+        for i in range(len(self.blocks)):
+            carry = self.block_forward(i, carry)
+        return self.head(carry)

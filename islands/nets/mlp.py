@@ -2,7 +2,7 @@
 
 import torch.nn as nn
 
-from islands.nets.layers import ConditionEmbedder, modulate, zero_module
+from islands.nets.layers import ConditionEmbedder, StagedNetwork, modulate, zero_module
 
 
 class ResidualBlock(nn.Module):
@@ -20,19 +20,26 @@ class ResidualBlock(nn.Module):
         return h + self.mlp(modulate(self.norm(h), shift, scale))
 
 
-class MLP(nn.Module):
+class MLP(StagedNetwork):
+    stem_modules, head_modules = ("embed", "proj_in"), ("norm_out", "proj_out")
+
     def __init__(self, dim, hidden=256, depth=4, num_classes=0):
         super().__init__()
         self.num_classes = num_classes
+        self.input_shape = (dim,)
         self.embed = ConditionEmbedder(hidden, num_classes)
         self.proj_in = nn.Linear(dim, hidden)
         self.blocks = nn.ModuleList(ResidualBlock(hidden) for _ in range(depth))
         self.norm_out = nn.LayerNorm(hidden)
         self.proj_out = zero_module(nn.Linear(hidden, dim))
 
-    def forward(self, x, t, cond=None):
+    def stem(self, x, t, cond=None):
         emb = self.embed(t, cond)
-        h = self.proj_in(x) + emb  # time enters at once, not only through the zero-initialised modulations
-        for block in self.blocks:
-            h = block(h, emb)
-        return self.proj_out(self.norm_out(h))
+        return self.proj_in(x) + emb, emb  # time enters at once, not only through the zero-initialised modulations
+
+    def block_forward(self, i, carry):
+        h, emb = carry
+        return self.blocks[i](h, emb), emb
+
+    def head(self, carry):
+        return self.proj_out(self.norm_out(carry[0]))

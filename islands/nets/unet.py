@@ -5,14 +5,15 @@ Dhariwal & Nichol 2021, "Diffusion Models Beat GANs on Image Synthesis" (ADM: sc
 conditioning, attention at several resolutions, skips from every block).
 
 Every repeated unit lives in self.blocks and is called as block(h, emb); the skip
-connections are kept by UNet.forward, so blocks can be checkpointed or sharded alone.
+connections are carried between blocks (UNet.block_forward), so blocks can be checkpointed,
+sharded or put on pipeline stages alone.
 """
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from islands.nets.layers import ConditionEmbedder, group_norm, zero_module
+from islands.nets.layers import ConditionEmbedder, StagedNetwork, group_norm, zero_module
 
 
 class ResBlock(nn.Module):
@@ -96,18 +97,22 @@ class MiddleBlock(nn.Module):
         return self.res2(self.attn(self.res1(x, emb)), emb)
 
 
-class UNet(nn.Module):
+class UNet(StagedNetwork):
     """Predicts a tensor of x's shape from (x, t, cond).
 
     attention_resolutions lists feature-map sides (e.g. 16 means 16x16) that get attention.
     Upsampling is nearest-neighbour to the size of the skip it is joined with, so sizes that
-    halve unevenly (28 -> 14 -> 7 -> 4) come back exactly.
+    halve unevenly (28 -> 14 -> 7 -> 4) come back exactly. The carry between blocks is (h, emb, *skips): the skips
+    still waiting for their up block travel with the activations, so a stage boundary may fall anywhere.
     """
+
+    stem_modules, head_modules = ("embed", "conv_in"), ("norm_out", "conv_out")
 
     def __init__(self, in_channels, resolution, channels=64, channel_mult=(1, 2, 2), num_res_blocks=2,
                  attention_resolutions=(16,), num_heads=4, dropout=0.0, num_classes=0):
         super().__init__()
         self.num_classes = num_classes
+        self.input_shape = (in_channels, resolution, resolution)
         emb_dim = 4 * channels
         self.embed = ConditionEmbedder(emb_dim, num_classes, frequency_size=channels)
         self.conv_in = nn.Conv2d(in_channels, channels, 3, padding=1)
@@ -145,17 +150,21 @@ class UNet(nn.Module):
         self.norm_out = group_norm(ch)
         self.conv_out = zero_module(nn.Conv2d(ch, in_channels, 3, padding=1))
 
-    def forward(self, x, t, cond=None):
-        emb = self.embed(t, cond)
+    def stem(self, x, t, cond=None):
         h = self.conv_in(x)
-        skips = [h]
-        for block in self.blocks[:self.num_down]:
-            h = block(h, emb)
-            skips.append(h)
-        h = self.blocks[self.num_down](h, emb)
-        for block in self.blocks[self.num_down + 1:]:
-            skip = skips.pop()
-            if h.shape[-2:] != skip.shape[-2:]:
-                h = F.interpolate(h, size=skip.shape[-2:], mode="nearest")
-            h = block(torch.cat([h, skip], dim=1), emb)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return h, self.embed(t, cond), h
+
+    def block_forward(self, i, carry):
+        h, emb, *skips = carry
+        if i < self.num_down:
+            h = self.blocks[i](h, emb)
+            return h, emb, *skips, h
+        if i == self.num_down:
+            return self.blocks[i](h, emb), emb, *skips
+        skip = skips.pop()
+        if h.shape[-2:] != skip.shape[-2:]:
+            h = F.interpolate(h, size=skip.shape[-2:], mode="nearest")
+        return self.blocks[i](torch.cat([h, skip], dim=1), emb), emb, *skips
+
+    def head(self, carry):
+        return self.conv_out(F.silu(self.norm_out(carry[0])))

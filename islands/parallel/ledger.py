@@ -13,7 +13,8 @@ from collections import defaultdict
 
 RING_FACTOR = {"all_reduce": lambda w: 2 * (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w,
                "all_gather": lambda w: (w - 1) / w, "broadcast": lambda w: (w - 1) / w,
-               "all_to_all": lambda w: 1.0}  # booked at the bytes that leave the rank, counted by the caller
+               # booked at the bytes that leave the rank, counted by the caller:
+               "all_to_all": lambda w: 1.0, "pipeline_activations": lambda w: 1.0, "pipeline_gradients": lambda w: 1.0}
 
 
 def bytes_sent(collective: str, payload_bytes: int, world: int) -> float:
@@ -28,8 +29,9 @@ class Ledger:
         self.total = defaultdict(float)  # the whole run (this process)
         self.steps = 0
 
-    def record(self, collective: str, payload_bytes: int) -> None:
-        self.step[collective] += bytes_sent(collective, payload_bytes, self.world)
+    def record(self, collective: str, payload_bytes: int, ranks: int | None = None) -> None:
+        """Book one collective over `ranks` ranks (None: the whole world of the ledger)."""
+        self.step[collective] += bytes_sent(collective, payload_bytes, ranks or self.world)
 
     def close_step(self) -> dict:
         """Bytes sent during the step that just ended, by collective; starts the next step."""

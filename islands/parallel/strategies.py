@@ -12,6 +12,7 @@ zero2  FSDP2 keeping parameters gathered from forward to backward: gradients and
        sharded, parameters sharded only between steps (FSDP's SHARD_GRAD_OP, ZeRO stage 2).
 fsdp   FSDP2 `fully_shard` per block, then the root: parameters, gradients and optimizer state
        sharded, each block gathered only while it computes (ZeRO stage 3).
+pipeline  the network cut into stages on different ranks (islands/parallel/pipeline.py).
 
 Every strategy counts its traffic in a `Ledger`, at the place where the collective is issued.
 """
@@ -81,6 +82,10 @@ class Strategy:
                 scaler.scale(value / len(micro_batches)).backward()
             total += value.detach() / len(micro_batches)
         return total
+
+    def data_shard(self) -> tuple[int, int]:
+        """(which share of each global batch this rank reads, into how many shares it is cut)."""
+        return self.world.rank, self.world.size
 
     def after_step(self, images: int) -> None:
         """Called after every optimizer step, with the images consumed so far (an outer step may happen here)."""
@@ -177,7 +182,7 @@ def _counting_broadcasts(ledger: Ledger):
         dist.broadcast = issue
 
 
-_WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class FSDPStrategy(Strategy):
@@ -189,7 +194,7 @@ class FSDPStrategy(Strategy):
         # bf16 parameters for compute, fp32 reduction and fp32 master weights (torchtitan's default);
         # parallel.compression, if set, lowers the reduce-scatter's precision instead.
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.precision == "bf16" else None,
-                                      reduce_dtype=_WIRE_DTYPES[self.compression] or torch.float32)
+                                      reduce_dtype=WIRE_DTYPES[self.compression] or torch.float32)
         units = [*net.blocks, net]  # the root last, so it owns only what no block holds
         for unit in units:
             # None: blocks reshard after forward, the root (needed first in backward) stays gathered
@@ -244,7 +249,7 @@ def _averaging_hook(compression: str):
     torch's bf16_compress_hook requires CUDA, and its fp16 one does not report traffic, so both are
     written here: cast, all-reduce, divide, cast back into the bucket.
     """
-    wire = _WIRE_DTYPES[compression]
+    wire = WIRE_DTYPES[compression]
 
     def hook(strategy: Strategy, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
@@ -260,21 +265,3 @@ def _averaging_hook(compression: str):
         return future.then(unpack)
 
     return hook
-
-
-STRATEGIES = {"none": Strategy, "ddp": DDPStrategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
-              "fsdp": FSDPStrategy}
-
-
-def build_strategy(name: str, world: World, compression: str = "none", precision: str = "fp32",
-                   compile: bool = False, activation_checkpointing: bool = False) -> Strategy:
-    if name == "none" and world.distributed:
-        raise ValueError("parallel.strategy: 'none' cannot run with several ranks; choose ddp")
-    if name != "none" and not dist.is_initialized():
-        raise ValueError(f"parallel.strategy: {name!r} needs a process group; launch with torchrun")
-    if world.group is not None and name not in ("ddp", "none"):  # FSDP's mesh and ZeRO's partitions span the whole job
-        raise ValueError(f"parallel.strategy: inside a group of ranks (tstages) each group runs ddp, not {name!r}")
-    if name in ("fsdp", "zero2") and precision == "fp16":
-        # GradScaler would find infinities in each rank's shard separately and let the scales drift apart.
-        raise ValueError(f"train.precision: fp16 loss scaling is not supported with {name}; use bf16")
-    return STRATEGIES[name](world, compression, precision, compile, activation_checkpointing)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from islands.data import streams
 from islands.data.clusters import read_prior_table
 from islands.flow.denoiser import NetworkDenoiser, broadcast
-from islands.flow.objectives import training_loss
+from islands.flow.objectives import regression_loss, training_loss, training_pair
 from islands.flow.paths import build_path
 from islands.flow.timesteps import TimeSampler
 
@@ -61,6 +61,14 @@ class Objective(ABC):
         """The data loss on a fixed probe at `times` stratified times; None where the objective has no data loss."""
         return None
 
+    def inputs_and_target(self, x0: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor):
+        """(the network's inputs, the target its output is scored against by `loss_of`), for strategies that feed
+        the network and score its output on different ranks (pipeline stages); None where the loss is not a
+        regression of the network's output."""
+        return None
+
+    loss_of = staticmethod(regression_loss)  # (output, target) -> the per-example loss, with inputs_and_target
+
 
 class DiffusionObjective(Objective):
     """The network regresses its own prediction target on its own path (islands/flow/objectives.py)."""
@@ -70,8 +78,13 @@ class DiffusionObjective(Objective):
         self.seed, self.num_classes, self.label_dropout = seed, num_classes, label_dropout
 
     def __call__(self, net, x0, labels, positions):
+        inputs, target = self.inputs_and_target(x0, labels, positions)
+        return self.loss_of(net(*inputs), target)
+
+    def inputs_and_target(self, x0, labels, positions):
         noise, tau, cond = draw(self.seed, x0, positions, self.times, labels, self.num_classes, self.label_dropout)
-        return training_loss(net, self.path, self.prediction, x0, noise, tau, cond)
+        x, target = training_pair(self.path, self.prediction, x0, noise, tau)
+        return (x, tau) if cond is None else (x, tau, cond), target
 
     def denoiser(self, net) -> NetworkDenoiser:
         return NetworkDenoiser(net, self.path, self.prediction)
@@ -180,6 +193,9 @@ class DistillObjective(DiffusionObjective):
 
     def validation_loss(self, net, x0, labels, times):
         return None  # a student learns its teacher, not the data: it has no data loss to probe
+
+    def inputs_and_target(self, x0, labels, positions):
+        return None  # the teacher's velocity is compared with the student's, not with its raw output
 
 
 def time_sampler(flow, discrete: bool = True) -> TimeSampler:

@@ -62,10 +62,11 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
         return parts.run_dir
 
     batch, accumulate = cfg.train.batch_size, cfg.train.accumulate
-    loader = iter(stream_loader(parts.source, batch, cfg.seed, start=state.images, rank=world.rank,
-                                world=world.size, workers=cfg.data.workers, flip=cfg.data.flip))
+    share, shares = parts.strategy.data_shard()  # pipeline stages of one data row read the same share
+    loader = iter(stream_loader(parts.source, batch, cfg.seed, start=state.images, rank=share,
+                                world=shares, workers=cfg.data.workers, flip=cfg.data.flip))
     if world.is_main:
-        micro = batch // (world.size * accumulate)
+        micro = batch // (shares * accumulate)
         per_image = flops_per_image(cfg.model, parts.shape, parts.num_classes, parts.objective, micro, world.device,
                                     cfg.train.activation_checkpointing)
         write_flops(parts.run_dir, per_image, run_length(cfg.train.images, batch))

@@ -13,8 +13,9 @@ from islands.data.sources import Source
 from islands.errors import ConfigError, config_errors
 from islands.generate import network_with_weights
 from islands.nets import build_network
+from islands.parallel.build import build_strategy
 from islands.parallel.launch import World, warn_if_bf16_is_slow
-from islands.parallel.strategies import Strategy, build_strategy
+from islands.parallel.strategies import Strategy
 from islands.rundir import (
     latest_checkpoint,
     load_weights,
@@ -100,13 +101,19 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     """Everything a run needs, in an order that keeps its bits: the initial weights are drawn right after seeding,
     the same on every rank; later randomness is keyed per example. `teacher(cfg, device)` builds a student's
     teacher (a `Denoiser`), in a layer above this one."""
-    train = cfg.train
-    if train.batch_size % (world.size * train.accumulate):
-        raise ConfigError(f"train.batch_size: {train.batch_size} is not divisible by "
-                          f"{world.size} ranks x accumulate={train.accumulate}")
+    train, par = cfg.train, cfg.parallel
     with config_errors("parallel"):
-        strategy = build_strategy(cfg.parallel.strategy, world, cfg.parallel.compression, train.precision,
-                                  train.compile, train.activation_checkpointing)
+        strategy = build_strategy(par.strategy, world, par.compression, train.precision, train.compile,
+                                  train.activation_checkpointing, stages=par.stages, microbatches=par.microbatches,
+                                  schedule=par.schedule, virtual_stages=par.virtual_stages, data=par.data)
+    shares = strategy.data_shard()[1]
+    if train.batch_size % (shares * train.accumulate):
+        raise ConfigError(f"train.batch_size: {train.batch_size} is not divisible by "
+                          f"{shares} data-parallel ranks x accumulate={train.accumulate}")
+    if par.strategy == "pipeline" and (train.accumulate != 1 or train.batch_size // shares % par.microbatches):
+        raise ConfigError(f"train.accumulate: a pipeline cuts each rank's {train.batch_size // shares} images into "
+                          f"parallel.microbatches={par.microbatches} equal pieces itself; set accumulate to 1 and "
+                          "a batch that they divide")
     if world.is_main:
         warn_if_bf16_is_slow("train.precision", train.precision, world.device)
     run_dir = prepare_run_dir(cfg, write=world.is_main)
@@ -130,7 +137,8 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     clusters = getattr(source, "num_clusters", 0)  # examples seen through a partition are labelled by cluster too
     objective = build_objective(cfg, num_classes, teacher and teacher(cfg, world.device), clusters)
     objective.prepare(net)
-    model = strategy.wrap(net)
+    with config_errors("parallel"):  # a network a pipeline cannot cut
+        model = strategy.wrap(net)
     opt = strategy.optimizer(net, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
     ema = EMA(net, train.ema_halflife_images, train.ema_rampup) if train.ema_halflife_images else None
     scaler = torch.amp.GradScaler(world.device.type, init_scale=2.0**10, enabled=train.precision == "fp16")

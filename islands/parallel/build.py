@@ -1,0 +1,27 @@
+"""parallel.strategy -> its Strategy, with the checks that span strategies."""
+
+import torch.distributed as dist
+
+from islands.parallel.launch import World
+from islands.parallel.pipeline import PipelineStrategy
+from islands.parallel.strategies import DDPStrategy, FSDPStrategy, Strategy, Zero1Strategy, Zero2Strategy
+
+STRATEGIES = {"none": Strategy, "ddp": DDPStrategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
+              "fsdp": FSDPStrategy, "pipeline": PipelineStrategy}
+
+
+def build_strategy(name: str, world: World, compression: str = "none", precision: str = "fp32",
+                   compile: bool = False, activation_checkpointing: bool = False, **pipeline) -> Strategy:
+    """The strategy `parallel.strategy` names; `pipeline` holds parallel.stages, microbatches, schedule,
+    virtual_stages and data, which only the pipeline reads."""
+    if name == "none" and world.distributed:
+        raise ValueError("parallel.strategy: 'none' cannot run with several ranks; choose ddp")
+    if name != "none" and not dist.is_initialized():
+        raise ValueError(f"parallel.strategy: {name!r} needs a process group; launch with torchrun")
+    if world.group is not None and name not in ("ddp", "none"):  # FSDP's mesh and ZeRO's partitions span the whole job
+        raise ValueError(f"parallel.strategy: inside a group of ranks (tstages) each group runs ddp, not {name!r}")
+    if name in ("fsdp", "zero2", "pipeline") and precision == "fp16":
+        # GradScaler would find infinities in each rank's shard separately and let the scales drift apart.
+        raise ValueError(f"train.precision: fp16 loss scaling is not supported with {name}; use bf16")
+    extra = pipeline if name == "pipeline" else {}
+    return STRATEGIES[name](world, compression, precision, compile, activation_checkpointing, **extra)
