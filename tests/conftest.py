@@ -13,13 +13,18 @@ from islands.config import validate
 torch.set_num_threads(2)
 
 
-@pytest.fixture
-def image_npz(tmp_path):
-    """64 random 1x8x8 uint8 images with 4 labels: a data set small enough for many short runs."""
+def random_images(folder):
+    """64 random 1x8x8 uint8 images with 4 labels in FOLDER/images.npz: a data set small enough for many short
+    runs."""
     rng = np.random.default_rng(0)
-    path = tmp_path / "images.npz"
+    path = folder / "images.npz"
     np.savez(path, x=rng.integers(0, 256, size=(64, 1, 8, 8), dtype=np.uint8), y=np.arange(64) % 4)
     return path
+
+
+@pytest.fixture
+def image_npz(tmp_path):
+    return random_images(tmp_path)
 
 
 def run_ranks(argv: list[str], nproc: int = 2, timeout: float = 240) -> list[subprocess.CompletedProcess]:

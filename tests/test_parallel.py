@@ -181,12 +181,19 @@ def two_rank_run(tmp_path_factory):
         if (strategy, compression) not in runs:
             root = tmp_path_factory.mktemp(f"{strategy}-{compression}")
             cfg = exact_config(root / "run")
-            result = torchrun(2, cfg, root, f"parallel.strategy={strategy}", f"parallel.compression={compression}")
+            result = torchrun(2, cfg, root, *layout(strategy), f"parallel.compression={compression}")
             assert result.returncode == 0, result.stderr[-3000:]
             runs[strategy, compression] = Path(cfg["run_dir"])
         return runs[strategy, compression]
 
     return run
+
+
+def layout(strategy: str) -> list[str]:
+    """The overrides that run exact_config under `strategy` on 2 ranks. A 2-stage pipeline cuts each batch of 32
+    into 2 micro-batches of 16, those of the 1-process reference with accumulate=2: the same gradients, bit for
+    bit (each stage's halves of them added in the same order)."""
+    return [f"parallel.strategy={strategy}", *(["parallel.microbatches=2"] if strategy == "pipeline" else [])]
 
 
 def cut_back(run_dir: Path, to: Path, images: int) -> Path:
@@ -199,9 +206,21 @@ def cut_back(run_dir: Path, to: Path, images: int) -> Path:
     return to
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp", "pipeline"])
 def test_every_strategy_exports_the_same_weights_file_bit_for_bit(two_rank_run, exact_reference, strategy):
     assert exported(two_rank_run(strategy)) == exported(exact_reference)
+
+
+def test_each_pipeline_stage_writes_the_shards_of_its_own_parameters_only(two_rank_run):
+    from islands.parallel.distributed_checkpoint import _SafeReader
+
+    metadata = _SafeReader(str(latest_checkpoint(two_rank_run("pipeline")) / "sharded")).read_metadata()
+    writer = {}  # parameter -> the files its weights, moments and average were written to
+    for index, info in metadata.storage_data.items():
+        writer.setdefault(index.fqn.split(".", 1)[1], set()).add(info.relative_path.split("_")[2])
+    assert writer["embed.time.mlp.0.weight"] == {"0"} and writer["proj_out.weight"] == {"1"}
+    assert all(len(ranks) == 1 for ranks in writer.values())  # nothing written twice
+    assert {"0", "1"} == set().union(*writer.values())
 
 
 def test_a_two_rank_fsdp_run_resumes_on_one_process_bit_identically(tmp_path, exact_reference):
@@ -218,20 +237,20 @@ def test_a_two_rank_fsdp_run_resumes_on_one_process_bit_identically(tmp_path, ex
     assert read_state(latest_checkpoint(cfg["run_dir"]))["progress"]["step"] == 20
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp", "pipeline"])
 def test_a_one_process_run_resumes_on_two_ranks_bit_identically(tmp_path, strategy):
     straight = exact_config(tmp_path / "straight")  # 2 ranks, never stopped
-    assert torchrun(2, straight, tmp_path, f"parallel.strategy={strategy}").returncode == 0
+    assert torchrun(2, straight, tmp_path, *layout(strategy)).returncode == 0
     moved = exact_config(tmp_path / "moved", images=320, accumulate=2)
     torch.set_num_threads(1)
     train(validate(moved), progress=False)
     moved["train"].update(images=640, accumulate=1)
-    result = torchrun(2, moved, tmp_path, f"parallel.strategy={strategy}")
+    result = torchrun(2, moved, tmp_path, *layout(strategy))
     assert result.returncode == 0, result.stderr[-3000:]
     assert exported(moved["run_dir"]) == exported(straight["run_dir"])
 
 
-@pytest.mark.parametrize("saved_by", ["ddp", "zero1", "zero2", "fsdp"])
+@pytest.mark.parametrize("saved_by", ["ddp", "zero1", "zero2", "fsdp", "pipeline"])
 def test_a_two_rank_checkpoint_of_every_strategy_resumes_on_one_process_bit_identically(
         tmp_path, two_rank_run, exact_reference, saved_by):
     moved = cut_back(two_rank_run(saved_by), tmp_path / "moved", 320)

@@ -129,9 +129,11 @@ class PipelineStrategy(Strategy):
                  activation_checkpointing: bool = False, stages: int = 2, microbatches: int = 4,
                  schedule: str = "1f1b", virtual_stages: int = 1, data: int | None = None):
         super().__init__(world, compression, precision, compile, activation_checkpointing)
+        if data is None and world.size % stages:
+            raise ValueError(f"parallel.stages: {stages} stages do not divide the {world.size} ranks")
         data = data or world.size // stages
         if data * stages != world.size:
-            raise ValueError(f"parallel.stages: {stages} stages x {data} data-parallel copies need "
+            raise ValueError(f"parallel.data: {data} data-parallel copies of {stages} stages need "
                              f"{stages * data} ranks, not {world.size}")
         self.stages, self.data, self.microbatches = stages, data, microbatches
         self.schedule_name, self.virtual = schedule, virtual_stages
@@ -184,11 +186,7 @@ class PipelineStrategy(Strategy):
         """One schedule step over this rank's batch: stage 0 gets the noised inputs, the last stage the targets;
         the schedule splits both into `parallel.microbatches` and averages the gradients over them."""
         x0, labels, positions = (torch.cat(parts) for parts in zip(*micro_batches, strict=True))
-        split = loss.inputs_and_target(x0, labels, positions)
-        if split is None:
-            raise ValueError("parallel.strategy: pipeline trains on a regression of the network's output "
-                             "(train.objective=diffusion)")
-        inputs, target = split
+        inputs, target = loss.inputs_and_target(x0, labels, positions)
         self.objective, losses = loss, []
         first = any(stage.is_first for stage in self.pipeline)
         last = any(stage.is_last for stage in self.pipeline)

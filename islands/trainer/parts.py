@@ -110,6 +110,9 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     if train.batch_size % (shares * train.accumulate):
         raise ConfigError(f"train.batch_size: {train.batch_size} is not divisible by "
                           f"{shares} data-parallel ranks x accumulate={train.accumulate}")
+    if par.strategy == "pipeline" and train.objective != "diffusion":  # a router or a student is not cut in stages
+        raise ConfigError(f"parallel.strategy: a pipeline trains denoisers (train.objective=diffusion), "
+                          f"not {train.objective!r}")
     if par.strategy == "pipeline" and (train.accumulate != 1 or train.batch_size // shares % par.microbatches):
         raise ConfigError(f"train.accumulate: a pipeline cuts each rank's {train.batch_size // shares} images into "
                           f"parallel.microbatches={par.microbatches} equal pieces itself; set accumulate to 1 and "
