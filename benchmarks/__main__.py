@@ -11,7 +11,7 @@ import time
 from benchmarks.common import RESULTS
 
 BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "networks", "parallel", "fd_scale",
-              "mode_weights", "samplers", "ddm_routing", "routed_sampling", "ddm_gmm", "ddm_fashion",
+              "mode_weights", "samplers", "ddm_routing", "routed_sampling", "ddm_gmm", "ddm_fashion", "pipeline",
               "range_experts", "distributed_sampling"]
 
 

@@ -179,6 +179,8 @@ def test_two_data_parallel_copies_of_a_two_stage_pipeline_follow_one_process_and
                              "parallel.microbatches=4 equal pieces itself"),
     (["parallel.stages=2", "model.depth=1"], "parallel.stages: the network has 1 blocks, too few for 2 stages"),
     (["train.objective=router"], "parallel.strategy: a pipeline trains denoisers"),
+    (["parallel.microbatches=1", "train.batch_size=32"], "parallel.microbatches: the 1f1b schedule needs at least "
+                                                         "one per stage (2), not 1"),
 ])
 def test_a_pipeline_that_cannot_be_built_fails_every_rank_with_one_line_naming_the_key(tmp_path, overrides, message):
     cfg = mlp_config(tmp_path / "bad")

@@ -135,6 +135,9 @@ class PipelineStrategy(Strategy):
         if data * stages != world.size:
             raise ValueError(f"parallel.data: {data} data-parallel copies of {stages} stages need "
                              f"{stages * data} ranks, not {world.size}")
+        if schedule == "1f1b" and microbatches < stages:  # torch's 1F1B keeps S micro-batches in flight
+            raise ValueError(f"parallel.microbatches: the 1f1b schedule needs at least one per stage ({stages}), "
+                             f"not {microbatches}")
         self.stages, self.data, self.microbatches = stages, data, microbatches
         self.schedule_name, self.virtual = schedule, virtual_stages
         mesh = init_device_mesh(world.device.type, (data, stages), mesh_dim_names=("data", "pipe"))
@@ -205,7 +208,7 @@ class PipelineStrategy(Strategy):
     def clip_grad_norm(self, params: list, max_norm: float) -> torch.Tensor:
         """The norm of the whole network's gradient: each rank's share of its square, summed over the pipeline."""
         grads = [p.grad for p in params if p.grad is not None]
-        square = torch.zeros((), dtype=torch.float64)
+        square = torch.zeros((), dtype=torch.float64, device=self.world.device)
         if grads:
             square = torch.nn.utils.get_total_norm(grads).double().square()
         dist.all_reduce(square, group=self.pipe_group)
