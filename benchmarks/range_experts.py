@@ -108,7 +108,8 @@ def run() -> dict:
                 [[label, *(r[m] for m in METRICS), evals[label]] for label, r in gmm.items()]))
     fashion_evals = heun_evaluations(fashion_bounds)
     print(table(["model", "FD", "KID x1e3", "KID s.e. x1e3", "precision", "recall", "evals/sample"],
-                [[label, *(r[m] for m in FASHION_METRICS), fashion_evals[label]] for label, r in fashion.items()]))
+                [[label, *(r.get(m, float("nan")) for m in FASHION_METRICS), fashion_evals[label]]
+                 for label, r in fashion.items()]))
     verdicts = {}
     for data, found, metric in (("mixture", gmm, "nll"), ("fashion", fashion, "fd")):
         one, (best, label) = found["one model"][metric], min((v[metric], k) for k, v in found.items()

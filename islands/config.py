@@ -206,6 +206,7 @@ class TrainConfig(Section):
     warmup_images: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
+    optimizer: Literal["adamw", "sgd"] = "adamw"  # sgd: plain, without momentum (betas unused)
     grad_clip: float = Field(1.0, ge=0)  # 0: no clipping
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     activation_checkpointing: bool = False
@@ -306,7 +307,7 @@ class DDMConfig(Section):
 class ParallelConfig(Section):
     # tstages: the ranks split into one group per range of flow.t_ranges, each training its range (ddp inside it);
     # pipeline: the network cut into stages on different ranks, micro-batches flowing through them
-    strategy: Literal["none", "ddp", "zero1", "zero2", "fsdp", "tstages", "pipeline"] = "none"
+    strategy: Literal["none", "ddp", "zero1", "zero2", "fsdp", "tstages", "pipeline", "local_sgd", "diloco"] = "none"
     timeout_s: float = Field(600.0, gt=0)  # a collective that waits longer fails every rank
     compression: Literal["none", "fp16", "bf16"] = "none"  # precision of gradient reduction on the wire
     stages: int = Field(2, ge=1)  # pipeline: ranks per pipeline
@@ -314,6 +315,10 @@ class ParallelConfig(Section):
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"  # pipeline: torch.distributed.pipelining's schedule
     virtual_stages: int = Field(1, ge=1)  # interleaved: stages per rank (the network is cut into stages x V)
     data: int | None = Field(None, ge=1)  # pipeline: data-parallel copies of the pipeline; None: world / stages
+    # local_sgd, diloco: the replicas (one per rank) synchronise every sync_every optimizer steps
+    sync_every: int = Field(100, ge=1)
+    outer_lr: float = Field(0.7, gt=0)  # diloco: the outer Nesterov SGD step on the averaged parameter change
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _check(self):

@@ -16,7 +16,7 @@ from islands.trainer import train
 
 def test_the_strategy_is_called_after_every_optimizer_step_with_the_image_count(tmp_path, image_npz, monkeypatch):
     seen = []
-    monkeypatch.setattr(Strategy, "after_step", lambda self, images: seen.append(images))
+    monkeypatch.setattr(Strategy, "after_step", lambda self, images, last: seen.append(images))
     train(tiny_unet(tmp_path / "run", image_npz), progress=False)
     assert seen == list(range(8, 97, 8))  # 96 images in global batches of 8
 

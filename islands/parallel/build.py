@@ -3,17 +3,23 @@
 import torch.distributed as dist
 
 from islands.parallel.launch import World
+from islands.parallel.local_updates import DiLoCoStrategy, LocalSGDStrategy
 from islands.parallel.pipeline import PipelineStrategy
 from islands.parallel.strategies import DDPStrategy, FSDPStrategy, Strategy, Zero1Strategy, Zero2Strategy
 
 STRATEGIES = {"none": Strategy, "ddp": DDPStrategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
-              "fsdp": FSDPStrategy, "pipeline": PipelineStrategy}
+              "fsdp": FSDPStrategy, "pipeline": PipelineStrategy, "local_sgd": LocalSGDStrategy,
+              "diloco": DiLoCoStrategy}
+EXTRA = {"pipeline": ("stages", "microbatches", "schedule", "virtual_stages", "data"),
+         "local_sgd": ("sync_every", "batch_size"),
+         "diloco": ("sync_every", "batch_size", "outer_lr", "outer_momentum")}
 
 
 def build_strategy(name: str, world: World, compression: str = "none", precision: str = "fp32",
-                   compile: bool = False, activation_checkpointing: bool = False, **pipeline) -> Strategy:
-    """The strategy `parallel.strategy` names; `pipeline` holds parallel.stages, microbatches, schedule,
-    virtual_stages and data, which only the pipeline reads."""
+                   compile: bool = False, activation_checkpointing: bool = False, **options) -> Strategy:
+    """The strategy `parallel.strategy` names; `options` holds the keys some strategies read (EXTRA): the pipeline's
+    parallel.stages, microbatches, schedule, virtual_stages and data, the local updates' sync_every, outer_lr and
+    outer_momentum, and the global batch_size."""
     if name == "none" and world.distributed:
         raise ValueError("parallel.strategy: 'none' cannot run with several ranks; choose ddp")
     if name != "none" and not dist.is_initialized():
@@ -23,5 +29,8 @@ def build_strategy(name: str, world: World, compression: str = "none", precision
     if name in ("fsdp", "zero2", "pipeline") and precision == "fp16":
         # GradScaler would find infinities in each rank's shard separately and let the scales drift apart.
         raise ValueError(f"train.precision: fp16 loss scaling is not supported with {name}; use bf16")
-    extra = pipeline if name == "pipeline" else {}
+    if name == "local_sgd" and compression != "none":
+        raise ValueError("parallel.compression: local_sgd averages the weights themselves, which 16 bits would "
+                         "round; diloco sends its pseudo-gradients in 16 bits")
+    extra = {k: options[k] for k in EXTRA.get(name, ()) if k in options}
     return STRATEGIES[name](world, compression, precision, compile, activation_checkpointing, **extra)

@@ -87,11 +87,18 @@ class Strategy:
         """(which share of each global batch this rank reads, into how many shares it is cut)."""
         return self.world.rank, self.world.size
 
-    def after_step(self, images: int) -> None:
-        """Called after every optimizer step, with the images consumed so far (an outer step may happen here)."""
+    def after_step(self, images: int, last: bool = False) -> int | None:
+        """Called after every optimizer step, with the images consumed so far and whether it was the run's last (an
+        outer step may happen here). -> the images the EMA takes in now: None for this step's, since the weights
+        are the model's after every step; 0 while they are only a replica's own."""
+        return None
 
-    def optimizer(self, net: nn.Module, **adamw) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(net.parameters(), **adamw)
+    def checkpoint_layout(self, held: dict) -> dict:
+        """How this rank's state (model, optim, ema) is laid out in the sharded checkpoint, around the same dicts."""
+        return held
+
+    def optimizer(self, net: nn.Module, kind: str = "adamw", **hyper) -> torch.optim.Optimizer:
+        return OPTIMIZERS[kind](net.parameters(), **_hyper_of(kind, hyper))
 
     def local_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer whose state this rank holds (its own partition under ZeRO-1)."""
@@ -144,7 +151,7 @@ class Zero1Strategy(DDPStrategy):
 
     name = "zero1"
 
-    def optimizer(self, net: nn.Module, **adamw) -> torch.optim.Optimizer:
+    def optimizer(self, net: nn.Module, kind: str = "adamw", **hyper) -> torch.optim.Optimizer:
         ledger = self.ledger
 
         class CountingZero(ZeroRedundancyOptimizer):
@@ -152,7 +159,7 @@ class Zero1Strategy(DDPStrategy):
                 with _counting_broadcasts(ledger):
                     return super().step(*args, **kwargs)
 
-        return CountingZero(net.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+        return CountingZero(net.parameters(), optimizer_class=OPTIMIZERS[kind], **_hyper_of(kind, hyper))
 
     def local_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return opt.optim
@@ -183,6 +190,13 @@ def _counting_broadcasts(ledger: Ledger):
 
 
 WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# train.optimizer: AdamW, or plain SGD (no momentum), whose averaged steps make local SGD at H = 1 exactly DDP
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+def _hyper_of(kind: str, hyper: dict) -> dict:
+    return hyper if kind == "adamw" else {k: v for k, v in hyper.items() if k != "betas"}
 
 
 class FSDPStrategy(Strategy):

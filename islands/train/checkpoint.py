@@ -63,6 +63,8 @@ def adam_state(opt: torch.optim.Optimizer, net: torch.nn.Module) -> dict:
     they come from the config, which a resume may not change."""
     names = {p: name for name, p in net.named_parameters()}
     held = {}
+    if isinstance(opt, torch.optim.SGD):  # train.optimizer=sgd, without momentum: nothing to keep
+        return held
     for group in opt.param_groups:
         for p in group["params"]:
             state = opt.state[p]

@@ -86,9 +86,11 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
             before = state.images
             state.images += batch
             state.step += 1
+            # The strategy may synchronise replicas here; the EMA takes in the model's weights, not a replica's.
+            credit = parts.strategy.after_step(state.images, state.images >= cfg.train.images)
             if finite:
-                if parts.ema is not None:
-                    parts.ema.update(parts.net, state.images, batch)
+                if parts.ema is not None and credit != 0:
+                    parts.ema.update(parts.net, state.images, batch if credit is None else credit)
                 state.nonfinite_in_a_row = 0
             else:
                 state.skipped += 1
@@ -97,7 +99,6 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
                     raise TrainingStopped(
                         f"stopped after {state.nonfinite_in_a_row} steps in a row with non-finite loss or gradients "
                         f"(image {state.images}); last good checkpoint: {latest_checkpoint(parts.run_dir) or 'none'}")
-            parts.strategy.after_step(state.images)
 
             # Each reporter decides for itself whether it is due at this image count.
             step = Step(before, state, finite, loss, grad_norm, sum(parts.strategy.ledger.close_step().values()),

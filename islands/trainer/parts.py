@@ -58,20 +58,25 @@ class Parts:
     def main(self) -> bool:
         return self.world.is_main
 
-    def sharded_state(self) -> dict:
-        """What each rank holds: its shards under FSDP, its optimizer partition under ZeRO-1."""
+    def held_state(self) -> dict:
+        """What each rank holds: its shards under FSDP, its optimizer partition under ZeRO-1, its stages' under a
+        pipeline."""
         held = {"model": self.net.state_dict(), "optim": adam_state(self.strategy.local_optimizer(self.opt), self.net)}
         if self.ema is not None:
             held["ema"] = self.ema.state_dict()
         return held
+
+    def sharded_state(self, held: dict | None = None) -> dict:
+        """The held state as the strategy lays it out in the checkpoint (a replica's under its own name)."""
+        return self.strategy.checkpoint_layout(held or self.held_state())
 
     def resume(self) -> Progress:
         """Load the latest complete checkpoint in place (resharded to this run's layout and world size)."""
         ckpt = latest_checkpoint(self.run_dir)
         if ckpt is None:
             return Progress()
-        held = self.sharded_state()
-        read_sharded(ckpt, held, self.world.group)
+        held = self.held_state()
+        read_sharded(ckpt, self.sharded_state(held), self.world.group)
         self.net.load_state_dict(held["model"])
         trainer = read_trainer(ckpt)
         self.scaler.load_state_dict(trainer["scaler"])
@@ -105,7 +110,9 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     with config_errors("parallel"):
         strategy = build_strategy(par.strategy, world, par.compression, train.precision, train.compile,
                                   train.activation_checkpointing, stages=par.stages, microbatches=par.microbatches,
-                                  schedule=par.schedule, virtual_stages=par.virtual_stages, data=par.data)
+                                  schedule=par.schedule, virtual_stages=par.virtual_stages, data=par.data,
+                                  sync_every=par.sync_every, outer_lr=par.outer_lr, outer_momentum=par.outer_momentum,
+                                  batch_size=train.batch_size)
     shares = strategy.data_shard()[1]
     if train.batch_size % (shares * train.accumulate):
         raise ConfigError(f"train.batch_size: {train.batch_size} is not divisible by "
@@ -142,7 +149,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     objective.prepare(net)
     with config_errors("parallel"):  # a network a pipeline cannot cut
         model = strategy.wrap(net)
-    opt = strategy.optimizer(net, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
+    opt = strategy.optimizer(net, train.optimizer, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
     ema = EMA(net, train.ema_halflife_images, train.ema_rampup) if train.ema_halflife_images else None
     scaler = torch.amp.GradScaler(world.device.type, init_scale=2.0**10, enabled=train.precision == "fp16")
     return Parts(cfg, world, strategy, run_dir, source, shape, num_classes, net, model, opt, ema, scaler, objective)

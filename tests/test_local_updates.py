@@ -1,0 +1,104 @@
+"""Training that synchronises every H steps (local SGD, DiLoCo), against DDP, against each other and against a hand
+computation (gloo on 127.0.0.1, every run under a timeout)."""
+
+import datetime
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_parallel import (
+    cut_back,
+    exported,
+    final_weights,
+    free_port,
+    launch_ranks,
+    mlp_config,
+    predicted_bytes,
+    relative_difference,
+)
+
+from islands.parallel.launch import World
+from islands.parallel.local_updates import DiLoCoStrategy
+
+
+def plain(cfg: dict, **train) -> dict:
+    """mlp_config (20 steps of 32) without gradient clipping, which each replica would apply to its own norm."""
+    return {**cfg, "train": {**cfg["train"], "grad_clip": 0.0, **train}}
+
+
+def two_ranks(tmp_path, name: str, cfg: dict, *overrides: str):
+    cfg = {**cfg, "run_dir": str(tmp_path / name)}
+    ranks = launch_ranks(2, cfg, tmp_path, *overrides)
+    assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
+    return tmp_path / name
+
+
+def test_local_sgd_every_step_with_plain_sgd_is_ddp(tmp_path):
+    """Averaging the weights after one SGD step each is stepping once with the averaged gradient."""
+    cfg = plain(mlp_config(tmp_path), optimizer="sgd", lr=0.05)
+    ddp = two_ranks(tmp_path, "ddp", cfg, "parallel.strategy=ddp")
+    local = two_ranks(tmp_path, "local", cfg, "parallel.strategy=local_sgd", "parallel.sync_every=1")
+    assert relative_difference(final_weights(ddp), final_weights(local)) < 1e-5
+
+
+def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_and_local_sgd_sends_ddps_bytes_over_h(tmp_path):
+    cfg = plain(mlp_config(tmp_path))
+    local = two_ranks(tmp_path, "local", cfg, "parallel.strategy=local_sgd", "parallel.sync_every=4")
+    diloco = two_ranks(tmp_path, "diloco", cfg, "parallel.strategy=diloco", "parallel.sync_every=4",
+                       "parallel.outer_lr=1", "parallel.outer_momentum=0")
+    assert relative_difference(final_weights(local), final_weights(diloco)) < 1e-5
+    # 20 steps, a synchronisation every 4: one all-reduce of the weights per 4 steps, where DDP sends its gradients
+    # (the same bytes) every step. bf16 pseudo-gradients halve it.
+    sent = json.loads((local / "communication.json").read_text())["bytes_per_step"]
+    assert sent == pytest.approx({k: v / 4 for k, v in predicted_bytes("ddp", 1, cfg).items()})
+    halved = two_ranks(tmp_path, "bf16", cfg, "parallel.strategy=diloco", "parallel.sync_every=4",
+                       "parallel.compression=bf16")
+    sent16 = json.loads((halved / "communication.json").read_text())["bytes_per_step"]
+    assert sent16 == pytest.approx({k: v / 8 for k, v in predicted_bytes("ddp", 1, cfg).items()})
+
+
+def test_a_killed_diloco_run_resumes_inside_its_cycle_bit_identically(tmp_path):
+    """Saved at step 10 of cycles of 4 (the replicas apart, the outer momentum under way), resumed on 2 ranks: it
+    ends where the run that never stopped ended."""
+    cfg = plain(mlp_config(tmp_path))
+    straight = two_ranks(tmp_path, "straight", cfg, "parallel.strategy=diloco", "parallel.sync_every=4")
+    moved = cut_back(straight, tmp_path / "moved", 320)
+    two_ranks(tmp_path, "moved", {**cfg, "run_dir": str(moved)}, "parallel.strategy=diloco", "parallel.sync_every=4")
+    assert exported(moved) == exported(straight)
+
+
+def test_one_diloco_outer_step_is_nesterov_on_the_averaged_change(tmp_path):
+    """Two synchronisations of a one-rank DiLoCo against torch-free arithmetic: m <- mu m + g, anchor <- anchor -
+    lr (g + mu m), with g the anchor minus the weights."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=1, batch_size=1, outer_lr=0.7,
+                                  outer_momentum=0.9)
+        net = torch.nn.Linear(3, 2)
+        strategy.wrap(net)
+        anchor = {n: p.detach().clone() for n, p in net.named_parameters()}
+        momentum = {n: torch.zeros_like(p) for n, p in anchor.items()}
+        for step in range(2):
+            with torch.no_grad():
+                for p in net.parameters():  # what H inner steps would have done
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
+            expected = {}
+            for n, p in net.named_parameters():
+                g = anchor[n] - p.detach()
+                momentum[n] = 0.9 * momentum[n] + g
+                expected[n] = anchor[n] - 0.7 * (g + 0.9 * momentum[n])
+            assert strategy.after_step(step + 1) == 1
+            for n, p in net.named_parameters():
+                torch.testing.assert_close(p.detach(), expected[n], rtol=1e-6, atol=1e-6)
+                anchor[n] = expected[n]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_sgd_refuses_16_bit_weights(tmp_path):
+    ranks = launch_ranks(2, mlp_config(tmp_path / "bad"), tmp_path, "parallel.strategy=local_sgd",
+                         "parallel.compression=bf16")
+    for r in ranks:
+        assert r.returncode == 2 and "parallel.compression: local_sgd averages the weights themselves" in r.stderr
