@@ -119,7 +119,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, image_npz):
 
 def test_non_finite_steps_are_skipped_then_the_run_stops_keeping_the_last_good_checkpoint(
         tmp_path, image_npz, monkeypatch):
-    real_loss = objectives.training_loss
+    real_loss = objectives.regression_loss
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -129,7 +129,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_keeping_the_last_good_c
         calls["n"] += 1  # 2 micro-batches per step: steps 7+ are poisoned, after the checkpoint at image 48
         return loss * float("nan") if calls["n"] > 12 else loss
 
-    monkeypatch.setattr(objectives, "training_loss", poisoned)
+    monkeypatch.setattr(objectives.DiffusionObjective, "loss_of", staticmethod(poisoned))
     cfg = tiny_unet(tmp_path / "nan", image_npz, train={"max_nonfinite": 3})
     with pytest.raises(TrainingStopped, match="3 steps in a row with non-finite.*000000000048"):
         train(cfg, progress=False)
@@ -139,7 +139,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_keeping_the_last_good_c
 
 
 def test_one_skipped_step_is_counted_and_training_goes_on(tmp_path, image_npz, monkeypatch):
-    real_loss = objectives.training_loss
+    real_loss = objectives.regression_loss
     calls = {"n": 0}
 
     def one_bad_step(*args, **kwargs):
@@ -149,7 +149,7 @@ def test_one_skipped_step_is_counted_and_training_goes_on(tmp_path, image_npz, m
         calls["n"] += 1
         return loss * float("inf") if calls["n"] in (3, 4) else loss
 
-    monkeypatch.setattr(objectives, "training_loss", one_bad_step)
+    monkeypatch.setattr(objectives.DiffusionObjective, "loss_of", staticmethod(one_bad_step))
     run_dir = train(tiny_unet(tmp_path / "skip", image_npz), progress=False)
     state = read_state(latest_checkpoint(run_dir))["progress"]
     assert state["skipped"] == 1 and state["images"] == 96
