@@ -16,11 +16,10 @@ rank. The last step of a run synchronises too, so the exported weights are the r
 """
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from islands.parallel.launch import World
-from islands.parallel.strategies import WIRE_DTYPES, Strategy
+from islands.parallel.strategies import WIRE_DTYPES, Strategy, averaged
 
 
 class LocalSGDStrategy(Strategy):
@@ -46,21 +45,11 @@ class LocalSGDStrategy(Strategy):
         self.synchronise()
         return images - (images - 1) // self.cycle * self.cycle
 
-    def _averaged(self, tensors: list[torch.Tensor], wire: torch.dtype | None = None) -> torch.Tensor:
-        """The mean over ranks of `tensors`, flattened into one buffer and sent (in `wire`, if given) in one
-        all-reduce, counted in the ledger."""
-        flat = torch.cat([t.detach().flatten() for t in tensors])
-        payload = flat if wire is None else flat.to(wire)
-        self.ledger.record("all_reduce", payload.numel() * payload.element_size())
-        dist.all_reduce(payload, group=self.world.group)
-        return payload.to(flat.dtype) / self.world.size
-
     @torch.no_grad()
     def synchronise(self) -> None:
         params = list(self.net.parameters())
-        mean = self._averaged(params)
-        for p, m in zip(params, mean.split([p.numel() for p in params]), strict=True):
-            p.copy_(m.view_as(p))
+        for p, m in zip(params, averaged(params, self.ledger, self.world.group, self.world.size), strict=True):
+            p.copy_(m)
 
     def checkpoint_layout(self, held: dict) -> dict:
         return {f"replica_{self.world.rank}": held}
@@ -83,9 +72,10 @@ class DiLoCoStrategy(LocalSGDStrategy):
     def synchronise(self) -> None:
         params = list(self.net.parameters())
         anchors = list(self.anchor.values())
-        delta = self._averaged([a - p for a, p in zip(anchors, params, strict=True)], WIRE_DTYPES[self.compression])
-        for a, d in zip(anchors, delta.split([a.numel() for a in anchors]), strict=True):
-            a.grad = d.view_as(a).clone()
+        deltas = [a - p for a, p in zip(anchors, params, strict=True)]
+        for a, d in zip(anchors, averaged(deltas, self.ledger, self.world.group, self.world.size,
+                                          WIRE_DTYPES[self.compression]), strict=True):
+            a.grad = d
         self.outer.step()
         for a, p in zip(anchors, params, strict=True):
             a.grad = None

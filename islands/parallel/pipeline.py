@@ -21,7 +21,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.utils.flop_counter import FlopCounterMode
 
 from islands.parallel.launch import World
-from islands.parallel.strategies import WIRE_DTYPES, Strategy
+from islands.parallel.strategies import WIRE_DTYPES, Strategy, averaged
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -174,16 +174,12 @@ class PipelineStrategy(Strategy):
         as DDP would (one flat all-reduce per stage after the schedule; DDP's own reducer, wrapped around a stage,
         fails on the second step in torch 2.13 because the schedule's shape inference runs a backward of its
         own), optionally sent in 16 bits."""
-        wire = WIRE_DTYPES[self.compression]
         for stage in self.pipeline:
             params = [p for p in stage.submod.parameters() if p.requires_grad]
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
-            payload = flat if wire is None else flat.to(wire)
-            self.ledger.record("all_reduce", payload.numel() * payload.element_size(), self.data)
-            dist.all_reduce(payload, group=self.data_group)
-            averaged = payload.to(flat.dtype) / self.data
-            for p, g in zip(params, averaged.split([p.numel() for p in params]), strict=True):
-                p.grad = g.view_as(p).clone()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            mean = averaged(grads, self.ledger, self.data_group, self.data, WIRE_DTYPES[self.compression])
+            for p, g in zip(params, mean, strict=True):
+                p.grad = g
 
     def forward_backward(self, model, loss, micro_batches: list, scaler) -> torch.Tensor:
         """One schedule step over this rank's batch: stage 0 gets the noised inputs, the last stage the targets;

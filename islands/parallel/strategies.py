@@ -191,6 +191,18 @@ def _counting_broadcasts(ledger: Ledger):
 
 WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
+def averaged(tensors: list[torch.Tensor], ledger: Ledger, group, size: int,
+             wire: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The mean over the `size` ranks of `group` of `tensors`, sent as one flat all-reduce (in `wire`, if given) and
+    counted in `ledger`; new tensors shaped like them."""
+    flat = torch.cat([t.detach().flatten() for t in tensors])
+    payload = flat if wire is None else flat.to(wire)
+    ledger.record("all_reduce", payload.numel() * payload.element_size(), size)
+    dist.all_reduce(payload, group=group)
+    mean = payload.to(flat.dtype) / size
+    return [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in tensors]), tensors, strict=True)]
+
+
 # train.optimizer: AdamW, or plain SGD (no momentum), whose averaged steps make local SGD at H = 1 exactly DDP
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
