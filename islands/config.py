@@ -319,6 +319,7 @@ class ParallelConfig(Section):
     sync_every: int = Field(100, ge=1)
     outer_lr: float = Field(0.7, gt=0)  # diloco: the outer Nesterov SGD step on the averaged parameter change
     outer_momentum: float = Field(0.9, ge=0, lt=1)
+    fragments: int = Field(1, ge=1)  # streaming: the parameters in F fragments that synchronise in turn
 
     @model_validator(mode="after")
     def _check(self):

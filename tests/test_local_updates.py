@@ -18,8 +18,10 @@ from test_parallel import (
     relative_difference,
 )
 
+from islands.config import Config
+from islands.nets import build_network
 from islands.parallel.launch import World
-from islands.parallel.local_updates import DiLoCoStrategy
+from islands.parallel.local_updates import DiLoCoStrategy, LocalSGDStrategy, fragments_of
 
 
 def plain(cfg: dict, **train) -> dict:
@@ -58,14 +60,58 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_and_local_sgd_sends
     assert sent16 == pytest.approx({k: v / 8 for k, v in predicted_bytes("ddp", 1, cfg).items()})
 
 
-def test_a_killed_diloco_run_resumes_inside_its_cycle_bit_identically(tmp_path):
-    """Saved at step 10 of cycles of 4 (the replicas apart, the outer momentum under way), resumed on 2 ranks: it
-    ends where the run that never stopped ended."""
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_killed_diloco_run_resumes_inside_its_cycle_bit_identically(tmp_path, fragments):
+    """Saved at step 10 of cycles of 4 (the replicas apart, the outer momentum under way; streamed, one fragment
+    just synchronised and the other not), resumed on 2 ranks: it ends where the run that never stopped ended."""
     cfg = plain(mlp_config(tmp_path))
-    straight = two_ranks(tmp_path, "straight", cfg, "parallel.strategy=diloco", "parallel.sync_every=4")
+    args = ("parallel.strategy=diloco", "parallel.sync_every=4", f"parallel.fragments={fragments}")
+    straight = two_ranks(tmp_path, "straight", cfg, *args)
     moved = cut_back(straight, tmp_path / "moved", 320)
-    two_ranks(tmp_path, "moved", {**cfg, "run_dir": str(moved)}, "parallel.strategy=diloco", "parallel.sync_every=4")
+    two_ranks(tmp_path, "moved", {**cfg, "run_dir": str(moved)}, *args)
     assert exported(moved) == exported(straight)
+
+
+def test_streaming_moves_a_fragment_at_a_time_and_its_outer_lr_1_is_streaming_local_sgd(tmp_path):
+    """Two fragments of the MLP taking turns every 2 of the 4 steps of a cycle: each synchronisation moves its
+    fragment's bytes only, and the trajectory is its own."""
+    cfg = plain(mlp_config(tmp_path))
+    whole = two_ranks(tmp_path, "whole", cfg, "parallel.strategy=local_sgd", "parallel.sync_every=4")
+    local = two_ranks(tmp_path, "local", cfg, "parallel.strategy=local_sgd", "parallel.sync_every=4",
+                      "parallel.fragments=2")
+    diloco = two_ranks(tmp_path, "diloco", cfg, "parallel.strategy=diloco", "parallel.sync_every=4",
+                       "parallel.fragments=2", "parallel.outer_lr=1", "parallel.outer_momentum=0")
+    assert relative_difference(final_weights(local), final_weights(diloco)) < 1e-5
+    assert relative_difference(final_weights(local), final_weights(whole)) > 1e-3
+    sent = {name: json.loads((run / "communication.json").read_text())["total_bytes"]["all_reduce"]
+            for name, run in (("whole", whole), ("local", local))}
+    # 20 steps: the whole model at steps 4, 8, .., 20; fragment 1 at the same steps, fragment 0 at 2, 6, .., 18
+    # and once more at the last step, which synchronises every fragment.
+    net = build_network(Config(**cfg).model, (2,), 3)  # in parameter order, which the fragments follow
+    sizes = [p.numel() for p in net.parameters()]
+    first = sum(sizes[i] for i in fragments_of(sizes, 2)[0])
+    assert sent["local"] == pytest.approx(sent["whole"] * (1 + first / (5 * sum(sizes))))
+    assert 0.25 < first / sum(sizes) < 0.75
+
+
+def test_fragments_are_contiguous_non_empty_and_balanced():
+    assert fragments_of([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
+    assert fragments_of([10, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]
+    assert fragments_of([100, 1, 1], 3) == [range(0, 1), range(1, 2), range(2, 3)]  # one tensor each at least
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        sizes = torch.randint(1, 50, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        count = int(torch.randint(1, len(sizes) + 1, (1,), generator=g))
+        runs = fragments_of(sizes, count)
+        assert len(runs) == count and all(len(r) for r in runs)
+        assert [i for r in runs for i in r] == list(range(len(sizes)))
+        share = sum(sizes) / count  # each fragment ends at the first tensor past its share, if it may
+        for f, r in enumerate(runs[:-1]):
+            assert sum(sizes[: r.stop]) <= (f + 1) * share + max(sizes)
+    with pytest.raises(ValueError, match="parallel.fragments"):
+        fragments_of([3, 4], 3)
+    with pytest.raises(ValueError, match="parallel.fragments: 3 fragments cannot take turns within sync_every=2"):
+        LocalSGDStrategy(World(rank=0, size=1), sync_every=2, fragments=3)
 
 
 def test_one_diloco_outer_step_is_nesterov_on_the_averaged_change(tmp_path):
@@ -93,6 +139,39 @@ def test_one_diloco_outer_step_is_nesterov_on_the_averaged_change(tmp_path):
             for n, p in net.named_parameters():
                 torch.testing.assert_close(p.detach(), expected[n], rtol=1e-6, atol=1e-6)
                 anchor[n] = expected[n]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_streamed_diloco_steps_each_fragment_at_its_own_time_with_its_own_nesterov(tmp_path):
+    """One rank, H = 2, two fragments of a Linear (its weight, then its bias): at odd steps the weight takes an
+    outer step and the bias keeps its local value, at even steps the bias takes its first outer step on the change
+    of both steps; the EMA's weights are the anchors."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=2, batch_size=1, outer_lr=0.7,
+                                  outer_momentum=0.9, fragments=2)
+        net = torch.nn.Linear(3, 2)
+        strategy.wrap(net)
+        assert strategy.fragments == [["weight"], ["bias"]]
+        anchor = {n: p.detach().clone() for n, p in net.named_parameters()}
+        momentum = {n: torch.zeros_like(p) for n, p in anchor.items()}
+        for step in range(1, 5):
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
+            due = "weight" if step % 2 else "bias"
+            local = {n: p.detach().clone() for n, p in net.named_parameters()}
+            g = anchor[due] - local[due]
+            momentum[due] = 0.9 * momentum[due] + g
+            anchor[due] = anchor[due] - 0.7 * (g + 0.9 * momentum[due])
+            assert strategy.after_step(step) == 1
+            torch.testing.assert_close(dict(net.named_parameters())[due].detach(), anchor[due], rtol=1e-6, atol=1e-6)
+            other = "bias" if due == "weight" else "weight"
+            assert torch.equal(dict(net.named_parameters())[other].detach(), local[other])
+            for n in anchor:
+                torch.testing.assert_close(strategy.ema_weights()[n], anchor[n], rtol=1e-6, atol=1e-6)
     finally:
         dist.destroy_process_group()
 

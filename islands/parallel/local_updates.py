@@ -1,4 +1,4 @@
-"""Training that synchronises every H optimizer steps: local SGD and DiLoCo.
+"""Training that synchronises every H optimizer steps: local SGD and DiLoCo, whole or streamed in fragments.
 
 Every rank is a replica that steps its own copy of the network on its share of each global batch, with no
 communication, and every `parallel.sync_every` = H optimizer steps (counted on the run's image clock, so a resumed
@@ -9,10 +9,18 @@ diloco     the averaged change since the last synchronisation, the pseudo-gradie
            the anchor by an outer SGD step with Nesterov momentum (Douillard et al. 2023, Algorithm 1: outer lr
            0.7, momentum 0.9), optionally sent in fp16 or bf16; every replica continues from the new anchor.
 
+Streaming (`parallel.fragments` = F > 1, Liu et al. 2025, arXiv 2501.18512): the parameters are cut into F
+contiguous fragments of about equal size, and fragment f synchronises at the steps s = (f + 1) H / F (mod H), so
+each synchronisation moves 1/F of the model and the peak bandwidth drops F-fold while every fragment still
+synchronises once per H steps. Islands replaces a fragment's local weights with the synchronised ones (the
+paper's mixing factor alpha = 0) and does not overlap the exchange with the next steps: on the ledger the bytes
+are the paper's, the wall time is not.
+
 Between synchronisations the replicas differ, so each rank's own state (weights, inner optimizer, EMA) is saved
-under its own name (`replica_<rank>`) and the outer state, the same on every rank, under `outer`; the EMA takes in
-only synchronised weights, credited with the images since the last synchronisation, so it is the same on every
-rank. The last step of a run synchronises too, so the exported weights are the replicas' common ones.
+under its own name (`replica_<rank>`) and the synchronised state, the same on every rank, under `outer`. The EMA
+takes in only synchronised weights (the anchor, fragment by fragment when streaming), credited with the images
+since the last synchronisation, so it is the same on every rank. The last step of a run synchronises every
+fragment, so the exported weights are the replicas' common ones.
 """
 
 import torch
@@ -22,37 +30,80 @@ from islands.parallel.launch import World
 from islands.parallel.strategies import WIRE_DTYPES, Strategy, averaged
 
 
+def fragments_of(sizes: list[int], count: int) -> list[range]:
+    """Cut parameters of these sizes, in order, into `count` contiguous non-empty runs of about equal total size
+    (a parameter is never split: fragment f ends at the first parameter past (f + 1) / count of the total)."""
+    if not 1 <= count <= len(sizes):
+        raise ValueError(f"parallel.fragments: {count} fragments of a network with {len(sizes)} parameter tensors")
+    total, cuts, running = sum(sizes), [0], 0
+    for i, size in enumerate(sizes[:-1]):
+        running += size
+        f, left = len(cuts), len(sizes) - (i + 1)  # fragment f - 1 would end here; tensors after this one
+        # close it once past its share, or when each fragment still to come needs one of the tensors left
+        if f < count and left >= count - f and (running * count >= f * total or left == count - f):
+            cuts.append(i + 1)
+    cuts.append(len(sizes))
+    return [range(a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
 class LocalSGDStrategy(Strategy):
     name = "local_sgd"
 
     def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False,
                  activation_checkpointing: bool = False, sync_every: int = 100, batch_size: int = 1,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9):
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1):
         super().__init__(world, compression, precision, compile, activation_checkpointing)
-        self.cycle = sync_every * batch_size  # the images between two synchronisations
+        if fragments > sync_every:
+            raise ValueError(f"parallel.fragments: {fragments} fragments cannot take turns within "
+                             f"sync_every={sync_every} steps")
+        self.every, self.batch, self.count = sync_every, batch_size, fragments
+        # fragment f synchronises at the steps s with s = offsets[f] (mod H); the last fragment at multiples of H
+        self.offsets = [(f + 1) * sync_every // fragments % sync_every for f in range(fragments)]
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum  # diloco's
         self.net: nn.Module | None = None
+        self.anchor: dict[str, torch.Tensor] = {}  # the last synchronised weights, where the net does not hold them
 
     def wrap(self, net: nn.Module) -> nn.Module:
         self.net = super().wrap(net)
+        named = list(self.net.named_parameters())
+        self.fragments = [[named[i][0] for i in r] for r in fragments_of([p.numel() for _, p in named], self.count)]
+        if self.count > 1:  # whole synchronisations leave the synchronised weights in the net itself
+            self.anchor = {name: p.detach().clone() for name, p in named}
         return self.net
 
+    def due(self, step: int) -> list[int]:
+        return [f for f, offset in enumerate(self.offsets) if step % self.every == offset]
+
     def after_step(self, images: int, last: bool = False) -> int:
-        """Synchronise at the end of each cycle and at the end of the run; -> the images since the last
-        synchronisation if it happened now (what the EMA takes in), else 0."""
-        if images % self.cycle and not last:
+        """Synchronise the fragments due at this step, and all of them at the end of the run; -> the images since
+        the previous synchronisation if one happened now (what the EMA takes in), else 0."""
+        step = images // self.batch
+        due = range(self.count) if last else self.due(step)
+        if not due:
             return 0
-        self.synchronise()
-        return images - (images - 1) // self.cycle * self.cycle
+        params = dict(self.net.named_parameters())
+        for f in due:
+            self.synchronise([params[name] for name in self.fragments[f]], [self.anchor.get(n) for n in
+                                                                            self.fragments[f]])
+        previous = max(s for s in range(max(step - self.every, 0), step) if s == 0 or self.due(s))
+        return (step - previous) * self.batch
+
+    def ema_weights(self) -> dict[str, torch.Tensor] | None:
+        return self.anchor or None
 
     @torch.no_grad()
-    def synchronise(self) -> None:
-        params = list(self.net.parameters())
-        for p, m in zip(params, averaged(params, self.ledger, self.world.group, self.world.size), strict=True):
+    def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor | None]) -> None:
+        for p, a, m in zip(params, anchors, averaged(params, self.ledger, self.world.group, self.world.size),
+                           strict=True):
             p.copy_(m)
+            if a is not None:
+                a.copy_(m)
 
     def checkpoint_layout(self, held: dict) -> dict:
-        return {f"replica_{self.world.rank}": held}
+        layout = {f"replica_{self.world.rank}": held}
+        if self.anchor:
+            layout["outer"] = {"anchor": self.anchor}
+        return layout
 
 
 class DiLoCoStrategy(LocalSGDStrategy):
@@ -60,7 +111,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
 
     def wrap(self, net: nn.Module) -> nn.Module:
         net = super().wrap(net)
-        self.anchor = {name: p.detach().clone() for name, p in net.named_parameters()}
+        self.anchor = self.anchor or {name: p.detach().clone() for name, p in net.named_parameters()}
         self.outer = torch.optim.SGD(self.anchor.values(), lr=self.outer_lr, momentum=self.outer_momentum,
                                      nesterov=self.outer_momentum > 0)
         if self.outer_momentum > 0:  # created now so that a resume has tensors to load into; a zero buffer's
@@ -68,15 +119,16 @@ class DiLoCoStrategy(LocalSGDStrategy):
                 self.outer.state[a]["momentum_buffer"] = torch.zeros_like(a)
         return net
 
+    def ema_weights(self) -> dict[str, torch.Tensor] | None:
+        return self.anchor if self.count > 1 else None  # whole: the net holds the anchor after each synchronisation
+
     @torch.no_grad()
-    def synchronise(self) -> None:
-        params = list(self.net.parameters())
-        anchors = list(self.anchor.values())
+    def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor]) -> None:
         deltas = [a - p for a, p in zip(anchors, params, strict=True)]
         for a, d in zip(anchors, averaged(deltas, self.ledger, self.world.group, self.world.size,
                                           WIRE_DTYPES[self.compression]), strict=True):
             a.grad = d
-        self.outer.step()
+        self.outer.step()  # SGD steps only the anchors with a gradient: this fragment's
         for a, p in zip(anchors, params, strict=True):
             a.grad = None
             p.copy_(a)

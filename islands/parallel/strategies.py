@@ -93,6 +93,10 @@ class Strategy:
         are the model's after every step; 0 while they are only a replica's own."""
         return None
 
+    def ema_weights(self) -> dict[str, torch.Tensor] | None:
+        """The weights the EMA takes in, by parameter name, where they are not the network's own (None)."""
+        return None
+
     def checkpoint_layout(self, held: dict) -> dict:
         """How this rank's state (model, optim, ema) is laid out in the sharded checkpoint, around the same dicts."""
         return held

@@ -28,10 +28,12 @@ class EMA:
         return 0.5 ** (batch / max(halflife, 1e-8))
 
     @torch.no_grad()
-    def update(self, net: nn.Module, images_seen: int, batch: int) -> None:
-        """Blend in the weights after an optimizer step; images_seen counts that step's images."""
+    def update(self, net: nn.Module, images_seen: int, batch: int,
+               weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Blend in the weights after an optimizer step (`weights` by name in place of the net's parameters: the
+        synchronised copy a strategy keeps); images_seen counts that step's images."""
         weight = 1.0 - self.beta(images_seen, batch)
-        for name, p in net.named_parameters():
+        for name, p in (weights or dict(net.named_parameters())).items():
             self.params[name].lerp_(p.detach(), weight)
         for name, b in net.named_buffers():
             if name in self.buffers:

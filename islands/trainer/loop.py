@@ -90,7 +90,8 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
             credit = parts.strategy.after_step(state.images, state.images >= cfg.train.images)
             if finite:
                 if parts.ema is not None and credit != 0:
-                    parts.ema.update(parts.net, state.images, batch if credit is None else credit)
+                    parts.ema.update(parts.net, state.images, batch if credit is None else credit,
+                                     parts.strategy.ema_weights())
                 state.nonfinite_in_a_row = 0
             else:
                 state.skipped += 1
