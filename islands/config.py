@@ -320,6 +320,9 @@ class ParallelConfig(Section):
     outer_lr: float = Field(0.7, gt=0)  # diloco: the outer Nesterov SGD step on the averaged parameter change
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     fragments: int = Field(1, ge=1)  # streaming: the parameters in F fragments that synchronise in turn
+    # islands of islands: R groups of ranks, each one replica trained by `inner` every step; None: one per rank
+    replicas: int | None = Field(None, ge=1)
+    inner: Literal["ddp"] = "ddp"
 
     @model_validator(mode="after")
     def _check(self):

@@ -18,10 +18,11 @@ from test_parallel import (
     relative_difference,
 )
 
-from islands.config import Config
+from islands.config import Config, validate
 from islands.nets import build_network
 from islands.parallel.launch import World
 from islands.parallel.local_updates import DiLoCoStrategy, LocalSGDStrategy, fragments_of
+from islands.trainer import train
 
 
 def plain(cfg: dict, **train) -> dict:
@@ -53,11 +54,11 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_and_local_sgd_sends
     # 20 steps, a synchronisation every 4: one all-reduce of the weights per 4 steps, where DDP sends its gradients
     # (the same bytes) every step. bf16 pseudo-gradients halve it.
     sent = json.loads((local / "communication.json").read_text())["bytes_per_step"]
-    assert sent == pytest.approx({k: v / 4 for k, v in predicted_bytes("ddp", 1, cfg).items()})
+    assert sent == pytest.approx({"outer_all_reduce": predicted_bytes("ddp", 1, cfg)["all_reduce"] / 4})
     halved = two_ranks(tmp_path, "bf16", cfg, "parallel.strategy=diloco", "parallel.sync_every=4",
                        "parallel.compression=bf16")
     sent16 = json.loads((halved / "communication.json").read_text())["bytes_per_step"]
-    assert sent16 == pytest.approx({k: v / 8 for k, v in predicted_bytes("ddp", 1, cfg).items()})
+    assert sent16 == pytest.approx({"outer_all_reduce": predicted_bytes("ddp", 1, cfg)["all_reduce"] / 8})
 
 
 @pytest.mark.parametrize("fragments", [1, 2])
@@ -83,7 +84,7 @@ def test_streaming_moves_a_fragment_at_a_time_and_its_outer_lr_1_is_streaming_lo
                        "parallel.fragments=2", "parallel.outer_lr=1", "parallel.outer_momentum=0")
     assert relative_difference(final_weights(local), final_weights(diloco)) < 1e-5
     assert relative_difference(final_weights(local), final_weights(whole)) > 1e-3
-    sent = {name: json.loads((run / "communication.json").read_text())["total_bytes"]["all_reduce"]
+    sent = {name: json.loads((run / "communication.json").read_text())["total_bytes"]["outer_all_reduce"]
             for name, run in (("whole", whole), ("local", local))}
     # 20 steps: the whole model at steps 4, 8, .., 20; fragment 1 at the same steps, fragment 0 at 2, 6, .., 18
     # and once more at the last step, which synchronises every fragment.
@@ -92,6 +93,25 @@ def test_streaming_moves_a_fragment_at_a_time_and_its_outer_lr_1_is_streaming_lo
     first = sum(sizes[i] for i in fragments_of(sizes, 2)[0])
     assert sent["local"] == pytest.approx(sent["whole"] * (1 + first / (5 * sum(sizes))))
     assert 0.25 < first / sum(sizes) < 0.75
+
+
+def test_two_islands_of_two_ranks_synchronising_every_step_with_plain_sgd_are_one_process(tmp_path):
+    """4 ranks as 2 replicas of 2 (DDP inside each): averaging the replicas after each SGD step on their averaged
+    gradients is one step on the whole batch's gradient. Each rank sends ddp's bytes over 2 ranks inside its replica
+    every step and the same again, every 4 steps, to its counterpart in the other replica."""
+    cfg = plain(mlp_config(tmp_path / "single"), optimizer="sgd", lr=0.05)
+    torch.set_num_threads(1)
+    single = final_weights(train(validate(cfg), progress=False))
+    cfg = {**cfg, "run_dir": str(tmp_path / "islands")}
+    for every, run in ((1, "every_step"), (4, "every_4")):
+        ranks = launch_ranks(4, {**cfg, "run_dir": str(tmp_path / run)}, tmp_path, "parallel.strategy=local_sgd",
+                             "parallel.replicas=2", f"parallel.sync_every={every}")
+        assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
+    assert relative_difference(single, final_weights(tmp_path / "every_step")) < 1e-5
+    ddp = predicted_bytes("ddp", 1, cfg)["all_reduce"]  # over 2 ranks
+    sent = json.loads((tmp_path / "every_4" / "communication.json").read_text())["bytes_per_step"]
+    assert sent == pytest.approx({"all_reduce": ddp, "outer_all_reduce": ddp / 4})
+    assert relative_difference(single, final_weights(tmp_path / "every_4")) > 1e-4
 
 
 def test_fragments_are_contiguous_non_empty_and_balanced():

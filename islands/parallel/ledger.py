@@ -12,6 +12,7 @@ parameter from its owner then add up to an all-gather of the whole parameters.
 from collections import defaultdict
 
 RING_FACTOR = {"all_reduce": lambda w: 2 * (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w,
+               "outer_all_reduce": lambda w: 2 * (w - 1) / w,  # the local updates' synchronisation of replicas
                "all_gather": lambda w: (w - 1) / w, "broadcast": lambda w: (w - 1) / w,
                # booked at the bytes that leave the rank, counted by the caller:
                "all_to_all": lambda w: 1.0, "pipeline_activations": lambda w: 1.0, "pipeline_gradients": lambda w: 1.0}

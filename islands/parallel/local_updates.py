@@ -16,6 +16,11 @@ synchronises once per H steps. Islands replaces a fragment's local weights with 
 paper's mixing factor alpha = 0) and does not overlap the exchange with the next steps: on the ledger the bytes
 are the paper's, the wall time is not.
 
+Islands of islands (`parallel.replicas` = R < the world size): the ranks form R contiguous groups, each one
+replica trained by DDP inside it every step (the fast local network); the synchronisation runs between the ranks of
+the same place in every group (R ranks each, the slow link), so the ledger books the groups' gradient all-reduce
+(`all_reduce`) apart from the replicas' synchronisation (`outer_all_reduce`).
+
 Between synchronisations the replicas differ, so each rank's own state (weights, inner optimizer, EMA) is saved
 under its own name (`replica_<rank>`) and the synchronised state, the same on every rank, under `outer`. The EMA
 takes in only synchronised weights (the anchor, fragment by fragment when streaming), credited with the images
@@ -24,10 +29,11 @@ fragment, so the exported weights are the replicas' common ones.
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from islands.parallel.launch import World
-from islands.parallel.strategies import WIRE_DTYPES, Strategy, averaged
+from islands.parallel.strategies import WIRE_DTYPES, DDPStrategy, Strategy, averaged
 
 
 def fragments_of(sizes: list[int], count: int) -> list[range]:
@@ -51,11 +57,21 @@ class LocalSGDStrategy(Strategy):
 
     def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False,
                  activation_checkpointing: bool = False, sync_every: int = 100, batch_size: int = 1,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1):
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1, replicas: int | None = None):
         super().__init__(world, compression, precision, compile, activation_checkpointing)
         if fragments > sync_every:
             raise ValueError(f"parallel.fragments: {fragments} fragments cannot take turns within "
                              f"sync_every={sync_every} steps")
+        self.replicas, self.outer_group, self.inner = world.size, world.group, None
+        if replicas is not None and replicas != world.size:
+            if world.size % replicas:
+                raise ValueError(f"parallel.replicas: {world.size} ranks do not split into {replicas} equal replicas")
+            self.replicas, (_, group) = replicas, world.split(replicas)
+            self.inner = DDPStrategy(group, "none", precision, compile, activation_checkpointing)
+            self.inner.ledger = self.ledger
+            per = group.size  # every rank creates every group, in the same order
+            across = [dist.new_group([place + r * per for r in range(replicas)]) for place in range(per)]
+            self.outer_group = across[group.rank]
         self.every, self.batch, self.count = sync_every, batch_size, fragments
         # fragment f synchronises at the steps s with s = offsets[f] (mod H); the last fragment at multiples of H
         self.offsets = [(f + 1) * sync_every // fragments % sync_every for f in range(fragments)]
@@ -64,12 +80,20 @@ class LocalSGDStrategy(Strategy):
         self.anchor: dict[str, torch.Tensor] = {}  # the last synchronised weights, where the net does not hold them
 
     def wrap(self, net: nn.Module) -> nn.Module:
-        self.net = super().wrap(net)
-        named = list(self.net.named_parameters())
+        model = self.inner.wrap(net) if self.inner else super().wrap(net)
+        self.net = net
+        named = list(net.named_parameters())
         self.fragments = [[named[i][0] for i in r] for r in fragments_of([p.numel() for _, p in named], self.count)]
         if self.count > 1:  # whole synchronisations leave the synchronised weights in the net itself
             self.anchor = {name: p.detach().clone() for name, p in named}
-        return self.net
+        return model
+
+    def no_sync(self, model: nn.Module):
+        return self.inner.no_sync(model) if self.inner else super().no_sync(model)
+
+    def check_consistency(self, net: nn.Module) -> None:
+        if self.inner:  # the ranks of one replica hold the same weights
+            self.inner.check_consistency(net)
 
     def due(self, step: int) -> list[int]:
         return [f for f, offset in enumerate(self.offsets) if step % self.every == offset]
@@ -93,8 +117,8 @@ class LocalSGDStrategy(Strategy):
 
     @torch.no_grad()
     def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor | None]) -> None:
-        for p, a, m in zip(params, anchors, averaged(params, self.ledger, self.world.group, self.world.size),
-                           strict=True):
+        for p, a, m in zip(params, anchors, averaged(params, self.ledger, self.outer_group, self.replicas,
+                                                     collective="outer_all_reduce"), strict=True):
             p.copy_(m)
             if a is not None:
                 a.copy_(m)
@@ -110,14 +134,14 @@ class DiLoCoStrategy(LocalSGDStrategy):
     name = "diloco"
 
     def wrap(self, net: nn.Module) -> nn.Module:
-        net = super().wrap(net)
+        model = super().wrap(net)
         self.anchor = self.anchor or {name: p.detach().clone() for name, p in net.named_parameters()}
         self.outer = torch.optim.SGD(self.anchor.values(), lr=self.outer_lr, momentum=self.outer_momentum,
                                      nesterov=self.outer_momentum > 0)
         if self.outer_momentum > 0:  # created now so that a resume has tensors to load into; a zero buffer's
             for a in self.anchor.values():  # first step equals torch's first step from none
                 self.outer.state[a]["momentum_buffer"] = torch.zeros_like(a)
-        return net
+        return model
 
     def ema_weights(self) -> dict[str, torch.Tensor] | None:
         return self.anchor if self.count > 1 else None  # whole: the net holds the anchor after each synchronisation
@@ -125,8 +149,8 @@ class DiLoCoStrategy(LocalSGDStrategy):
     @torch.no_grad()
     def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor]) -> None:
         deltas = [a - p for a, p in zip(anchors, params, strict=True)]
-        for a, d in zip(anchors, averaged(deltas, self.ledger, self.world.group, self.world.size,
-                                          WIRE_DTYPES[self.compression]), strict=True):
+        for a, d in zip(anchors, averaged(deltas, self.ledger, self.outer_group, self.replicas,
+                                          WIRE_DTYPES[self.compression], "outer_all_reduce"), strict=True):
             a.grad = d
         self.outer.step()  # SGD steps only the anchors with a gradient: this fragment's
         for a, p in zip(anchors, params, strict=True):

@@ -196,12 +196,12 @@ def _counting_broadcasts(ledger: Ledger):
 WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 def averaged(tensors: list[torch.Tensor], ledger: Ledger, group, size: int,
-             wire: torch.dtype | None = None) -> list[torch.Tensor]:
+             wire: torch.dtype | None = None, collective: str = "all_reduce") -> list[torch.Tensor]:
     """The mean over the `size` ranks of `group` of `tensors`, sent as one flat all-reduce (in `wire`, if given) and
-    counted in `ledger`; new tensors shaped like them."""
+    counted in `ledger` under `collective`; new tensors shaped like them."""
     flat = torch.cat([t.detach().flatten() for t in tensors])
     payload = flat if wire is None else flat.to(wire)
-    ledger.record("all_reduce", payload.numel() * payload.element_size(), size)
+    ledger.record(collective, payload.numel() * payload.element_size(), size)
     dist.all_reduce(payload, group=group)
     mean = payload.to(flat.dtype) / size
     return [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in tensors]), tensors, strict=True)]
@@ -284,7 +284,7 @@ def _averaging_hook(compression: str):
     def hook(strategy: Strategy, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         payload = buffer if wire is None else buffer.to(wire)
-        strategy.ledger.record("all_reduce", payload.numel() * payload.element_size())
+        strategy.ledger.record("all_reduce", payload.numel() * payload.element_size(), strategy.world.size)
         payload.div_(strategy.world.size)
         future = dist.all_reduce(payload, group=strategy.world.group, async_op=True).get_future()
 

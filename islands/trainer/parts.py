@@ -112,7 +112,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
                                   train.activation_checkpointing, stages=par.stages, microbatches=par.microbatches,
                                   schedule=par.schedule, virtual_stages=par.virtual_stages, data=par.data,
                                   sync_every=par.sync_every, outer_lr=par.outer_lr, outer_momentum=par.outer_momentum,
-                                  fragments=par.fragments, batch_size=train.batch_size)
+                                  fragments=par.fragments, replicas=par.replicas, batch_size=train.batch_size)
     shares = strategy.data_shard()[1]
     if train.batch_size % (shares * train.accumulate):
         raise ConfigError(f"train.batch_size: {train.batch_size} is not divisible by "
