@@ -45,7 +45,7 @@ def test_local_sgd_every_step_with_plain_sgd_is_ddp(tmp_path):
     assert relative_difference(final_weights(ddp), final_weights(local)) < 1e-5
 
 
-def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_and_local_sgd_sends_ddps_bytes_over_h(tmp_path):
+def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_whole_or_streamed_and_sends_ddps_bytes_over_h(tmp_path):
     cfg = plain(mlp_config(tmp_path))
     local = two_ranks(tmp_path, "local", cfg, "parallel.strategy=local_sgd", "parallel.sync_every=4")
     diloco = two_ranks(tmp_path, "diloco", cfg, "parallel.strategy=diloco", "parallel.sync_every=4",
@@ -60,39 +60,34 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_and_local_sgd_sends
     sent16 = json.loads((halved / "communication.json").read_text())["bytes_per_step"]
     assert sent16 == pytest.approx({"outer_all_reduce": predicted_bytes("ddp", 1, cfg)["all_reduce"] / 8})
 
-
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_a_killed_diloco_run_resumes_inside_its_cycle_bit_identically(tmp_path, fragments):
-    """Saved at step 10 of cycles of 4 (the replicas apart, the outer momentum under way; streamed, one fragment
-    just synchronised and the other not), resumed on 2 ranks: it ends where the run that never stopped ended."""
-    cfg = plain(mlp_config(tmp_path))
-    args = ("parallel.strategy=diloco", "parallel.sync_every=4", f"parallel.fragments={fragments}")
-    straight = two_ranks(tmp_path, "straight", cfg, *args)
-    moved = cut_back(straight, tmp_path / "moved", 320)
-    two_ranks(tmp_path, "moved", {**cfg, "run_dir": str(moved)}, *args)
-    assert exported(moved) == exported(straight)
-
-
-def test_streaming_moves_a_fragment_at_a_time_and_its_outer_lr_1_is_streaming_local_sgd(tmp_path):
-    """Two fragments of the MLP taking turns every 2 of the 4 steps of a cycle: each synchronisation moves its
-    fragment's bytes only, and the trajectory is its own."""
-    cfg = plain(mlp_config(tmp_path))
-    whole = two_ranks(tmp_path, "whole", cfg, "parallel.strategy=local_sgd", "parallel.sync_every=4")
-    local = two_ranks(tmp_path, "local", cfg, "parallel.strategy=local_sgd", "parallel.sync_every=4",
-                      "parallel.fragments=2")
-    diloco = two_ranks(tmp_path, "diloco", cfg, "parallel.strategy=diloco", "parallel.sync_every=4",
-                       "parallel.fragments=2", "parallel.outer_lr=1", "parallel.outer_momentum=0")
-    assert relative_difference(final_weights(local), final_weights(diloco)) < 1e-5
-    assert relative_difference(final_weights(local), final_weights(whole)) > 1e-3
-    sent = {name: json.loads((run / "communication.json").read_text())["total_bytes"]["outer_all_reduce"]
-            for name, run in (("whole", whole), ("local", local))}
+    # Streamed: two fragments taking turns every 2 of the 4 steps of a cycle, each synchronisation moving its
+    # fragment only, on a trajectory of its own.
+    streamed = two_ranks(tmp_path, "streamed", cfg, "parallel.strategy=local_sgd", "parallel.sync_every=4",
+                         "parallel.fragments=2")
+    streamed_diloco = two_ranks(tmp_path, "streamed_diloco", cfg, "parallel.strategy=diloco", "parallel.sync_every=4",
+                                "parallel.fragments=2", "parallel.outer_lr=1", "parallel.outer_momentum=0")
+    assert relative_difference(final_weights(streamed), final_weights(streamed_diloco)) < 1e-5
+    assert relative_difference(final_weights(streamed), final_weights(local)) > 1e-3
+    total = {name: json.loads((run / "communication.json").read_text())["total_bytes"]["outer_all_reduce"]
+             for name, run in (("whole", local), ("streamed", streamed))}
     # 20 steps: the whole model at steps 4, 8, .., 20; fragment 1 at the same steps, fragment 0 at 2, 6, .., 18
     # and once more at the last step, which synchronises every fragment.
     net = build_network(Config(**cfg).model, (2,), 3)  # in parameter order, which the fragments follow
     sizes = [p.numel() for p in net.parameters()]
     first = sum(sizes[i] for i in fragments_of(sizes, 2)[0])
-    assert sent["local"] == pytest.approx(sent["whole"] * (1 + first / (5 * sum(sizes))))
+    assert total["streamed"] == pytest.approx(total["whole"] * (1 + first / (5 * sum(sizes))))
     assert 0.25 < first / sum(sizes) < 0.75
+
+
+def test_a_killed_streaming_diloco_run_resumes_inside_its_cycle_bit_identically(tmp_path):
+    """Saved at step 10 of cycles of 4 (the replicas apart, the outer momentum under way, one fragment just
+    synchronised and the other not), resumed on 2 ranks: it ends where the run that never stopped ended."""
+    cfg = plain(mlp_config(tmp_path))
+    args = ("parallel.strategy=diloco", "parallel.sync_every=4", "parallel.fragments=2")
+    straight = two_ranks(tmp_path, "straight", cfg, *args)
+    moved = cut_back(straight, tmp_path / "moved", 320)
+    two_ranks(tmp_path, "moved", {**cfg, "run_dir": str(moved)}, *args)
+    assert exported(moved) == exported(straight)
 
 
 def test_two_islands_of_two_ranks_synchronising_every_step_with_plain_sgd_are_one_process(tmp_path):
