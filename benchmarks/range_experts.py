@@ -32,7 +32,8 @@ IMAGES = 64_000
 RANGES = {"R=2": [0.0, 0.5, 1.0], "R=3": [0.0, 1 / 3, 2 / 3, 1.0], "R=2 skewed": [0.0, 0.2, 1.0]}
 METRICS = ("nll", "swd", "mode_mass_error", "velocity_mse")
 FASHION_IMAGES, FASHION_RANGES, FASHION_NUM = 60_000, {"R=2": [0.0, 0.5, 1.0]}, 1000
-FASHION_METRICS = ("fd", "kid_e3", "kid_se_e3", "precision", "recall")
+# the Evaluator's keys, with the factor each is printed at (KID x1e3, as in ddm_fashion)
+FASHION_METRICS = {"fd": 1, "kid": 1e3, "kid_se": 1e3, "precision": 1, "recall": 1}
 
 
 def gmm_raw(run_dir: Path, images: int) -> dict:
@@ -108,7 +109,7 @@ def run() -> dict:
                 [[label, *(r[m] for m in METRICS), evals[label]] for label, r in gmm.items()]))
     fashion_evals = heun_evaluations(fashion_bounds)
     print(table(["model", "FD", "KID x1e3", "KID s.e. x1e3", "precision", "recall", "evals/sample"],
-                [[label, *(r.get(m, float("nan")) for m in FASHION_METRICS), fashion_evals[label]]
+                [[label, *(scale * r[m] for m, scale in FASHION_METRICS.items()), fashion_evals[label]]
                  for label, r in fashion.items()]))
     verdicts = {}
     for data, found, metric in (("mixture", gmm, "nll"), ("fashion", fashion, "fd")):
