@@ -113,7 +113,7 @@ class LocalSGDStrategy(Strategy):
         return (step - previous) * self.batch
 
     def ema_weights(self) -> dict[str, torch.Tensor] | None:
-        return self.anchor or None
+        return self.anchor if self.count > 1 else None  # whole: the net holds the anchor after each synchronisation
 
     @torch.no_grad()
     def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor | None]) -> None:
@@ -142,9 +142,6 @@ class DiLoCoStrategy(LocalSGDStrategy):
             for a in self.anchor.values():  # first step equals torch's first step from none
                 self.outer.state[a]["momentum_buffer"] = torch.zeros_like(a)
         return model
-
-    def ema_weights(self) -> dict[str, torch.Tensor] | None:
-        return self.anchor if self.count > 1 else None  # whole: the net holds the anchor after each synchronisation
 
     @torch.no_grad()
     def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor]) -> None:
