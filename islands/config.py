@@ -33,6 +33,8 @@ class _Data(Section):
     # (None: every example, labelled with its cluster, for the router).
     partition: str | None = None
     cluster: int | None = Field(None, ge=0)
+    # local_sgd, diloco: a partition folder (`islands partition`) whose cluster r is replica r's data (non-IID)
+    shards: str | None = None
 
 
 class Mnist5kData(_Data):
@@ -323,6 +325,11 @@ class ParallelConfig(Section):
     # islands of islands: R groups of ranks, each one replica trained by `inner` every step; None: one per rank
     replicas: int | None = Field(None, ge=1)
     inner: Literal["ddp"] = "ddp"
+    # heterogeneous replicas, one entry each: images per step (summing to train.batch_size), peak learning rate,
+    # optimizer steps per synchronisation; averaging weighs each by the images it consumed since the last one
+    worker_batch: list[Annotated[int, Field(ge=1)]] | None = None
+    worker_lr: list[Annotated[float, Field(ge=0)]] | None = None
+    worker_sync_every: list[Annotated[int, Field(ge=1)]] | None = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -359,6 +366,29 @@ class Config(Section):
         """Defaults that depend on another section, filled in so that the resolved config states them."""
         if self.flow.time_sampler is None:
             self.flow.time_sampler = "uniform" if self.model.arch == "mlp" else "logit_normal"
+        return self
+
+    @model_validator(mode="after")
+    def _workers(self):
+        """Heterogeneous replicas are local-update replicas; their batches make up the global batch."""
+        par = self.parallel
+        for key in ("worker_batch", "worker_lr", "worker_sync_every", "shards"):
+            given = getattr(self.data if key == "shards" else par, key)
+            if given is not None and par.strategy not in ("local_sgd", "diloco"):
+                raise ValueError(f"{'data' if key == 'shards' else 'parallel'}.{key}: replicas that differ are "
+                                 f"local_sgd or diloco replicas, not {par.strategy!r}")
+        if par.worker_sync_every is not None and par.fragments > 1:
+            raise ValueError("parallel.worker_sync_every: streamed fragments take turns on one common period; "
+                             "give parallel.fragments=1 or drop worker_sync_every")
+        if self.data.shards is not None and self.data.partition is not None:
+            raise ValueError("data.shards: the replicas' shards replace data.partition; give one of them")
+        if par.worker_batch is not None:
+            total = sum(par.worker_batch)
+            if "batch_size" not in self.train.model_fields_set:
+                self.train = self.train.model_copy(update={"batch_size": total})
+            elif self.train.batch_size != total:
+                raise ValueError(f"train.batch_size: {self.train.batch_size} is not the sum of parallel.worker_batch "
+                                 f"{par.worker_batch} ({total})")
         return self
 
 

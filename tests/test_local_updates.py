@@ -4,6 +4,7 @@ computation (gloo on 127.0.0.1, every run under a timeout)."""
 import datetime
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +20,9 @@ from test_parallel import (
 )
 
 from islands.config import Config, validate
+from islands.data import ClusterSubset, GMMSource
+from islands.data.loader import StreamOrder
+from islands.data.schedule import WorkerSchedule
 from islands.nets import build_network
 from islands.parallel.launch import World
 from islands.parallel.local_updates import DiLoCoStrategy, LocalSGDStrategy, fragments_of
@@ -196,3 +200,62 @@ def test_local_sgd_refuses_16_bit_weights(tmp_path):
                          "parallel.compression=bf16")
     for r in ranks:
         assert r.returncode == 2 and "parallel.compression: local_sgd averages the weights themselves" in r.stderr
+
+
+def test_a_schedule_of_unequal_replicas_reads_every_position_once_and_weighs_them_by_their_images():
+    """Replica 0 steps 3 times with 2 images per round, replica 1 once with 6: ticks of 8, 2 and 2 images."""
+    s = WorkerSchedule((2, 6), (3, 1))
+    assert (s.ticks, s.round_images, [s.tick_images(n) for n in range(4)]) == (3, 12, [8, 2, 2, 8])
+    assert [s.first_position(n, 0) for n in range(4)] == [0, 8, 10, 12] and s.first_position(0, 1) == 2
+    assert [s.active(n, 1) for n in range(4)] == [True, False, False, True]
+    # after the whole round each brought 6 images; after its first tick, replica 1 had brought 6 of 8
+    assert s.weights(2) == [0.5, 0.5] and s.weights(0) == [0.25, 0.75] and s.weights(4) == [4 / 10, 6 / 10]
+    assert [s.tick_at(s.images_after(n)) for n in range(10)] == list(range(10))
+    assert (s.run_length(12), s.run_length(13), s.run_length(21)) == (12, 20, 22)
+    with pytest.raises(ValueError, match="do not end a tick"):
+        s.tick_at(9)
+    # every position is read exactly once, by one replica at one tick
+    read = [p for n in range(9) for r in (0, 1) if s.active(n, r) for p in
+            range(s.first_position(n, r), s.first_position(n, r) + s.batches[r])]
+    assert sorted(read) == list(range(s.images_after(9)))
+    # alike replicas read the global batches of data parallelism, cut in contiguous slices
+    even = WorkerSchedule.even(32, 2, steps=4)
+    assert [even.first_position(n, r) for n in range(3) for r in (0, 1)] == [0, 16, 32, 48, 64, 80]
+
+
+def test_a_sharded_replica_reads_its_own_cluster_in_its_own_order_under_global_positions():
+    source = GMMSource([[1.0, 0.0], [-1.0, 0.0]], 0.1, size=40, seed=0)
+    cluster = np.arange(40) % 2
+    s = WorkerSchedule((2, 6), (3, 1))
+    seen = {}
+    for r in (0, 1):
+        shard = ClusterSubset(source, cluster, r)
+        order = iter(StreamOrder(len(shard), s, seed=1, replica=r, own_order=True))
+        seen[r] = [next(order) for _ in range(4)]
+        indices = [i for batch in seen[r] for i, _ in batch]
+        # its own clock: each epoch of its 20 examples is a permutation of them
+        assert sorted(indices[:20]) == list(range(20)) if r == 1 else sorted(set(indices)) == sorted(indices)
+    positions = [p for r in (0, 1) for batch in seen[r] for _, p in batch]
+    assert len(set(positions)) == len(positions)  # the noise keys stay the global, distinct positions
+
+
+def test_replicas_with_unequal_batches_averaged_by_their_images_are_one_process_at_their_summed_batch(tmp_path):
+    """H = 1, plain SGD, batches of 8 and 24: the images-weighted mean of the two replicas' steps is the step on the
+    mean gradient of all 32 images, which one process takes (an unweighted mean would be off by a quarter)."""
+    cfg = plain(mlp_config(tmp_path / "one"), optimizer="sgd", lr=0.05)
+    one = train(validate(cfg), progress=False)
+    local = two_ranks(tmp_path, "local", {**cfg, "parallel": {"worker_batch": [8, 24]}},
+                      "parallel.strategy=local_sgd", "parallel.sync_every=1")
+    assert relative_difference(final_weights(one), final_weights(local)) < 1e-5
+    # Unequal update frequencies, learning rates and non-IID shards: replica 0 steps 4 times a round, replica 1
+    # twice, each on its own cluster; the run still ends at the images summed over replicas.
+    partition = tmp_path / "partition"
+    partition.mkdir()
+    np.savez(partition / "assignments.npz", cluster=np.arange(4096) % 2)
+    hetero = {**cfg, "data": {**cfg["data"], "shards": str(partition)},
+              "parallel": {"worker_batch": [8, 24], "worker_lr": [0.05, 0.02], "worker_sync_every": [4, 2]}}
+    run = two_ranks(tmp_path, "hetero", hetero, "parallel.strategy=diloco")
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["images"] == WorkerSchedule((8, 24), (4, 2)).run_length(640) == 640
+    sent = json.loads((run / "communication.json").read_text())["total_bytes"]["outer_all_reduce"]
+    assert sent == pytest.approx(8 * predicted_bytes("ddp", 1, cfg)["all_reduce"])  # 8 rounds of 4 x 8 + 2 x 24

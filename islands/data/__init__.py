@@ -17,7 +17,8 @@ def build_data(cfg, seed: int) -> Source:
 def _build_source(cfg, seed: int) -> Source:
     if cfg.source == "gmm":
         return GMMSource(cfg.means, cfg.std, cfg.weights, size=cfg.size, seed=seed)
-    options = cfg.model_dump(exclude={"source", "flip", "workers", "partition", "cluster"})  # the source's own keys
+    # the source's own keys
+    options = cfg.model_dump(exclude={"source", "flip", "workers", "partition", "cluster", "shards"})
     if cfg.source == "fashion_mnist" and options["path"] is None:
         del options["path"]  # the source's default place
     return build_source(cfg.source, **options)

@@ -2,7 +2,8 @@
 
 Position n of the stream is example perm_e[n mod N] of epoch e = n div N, with perm_e keyed on
 (seed, e). Global batch b covers positions [b B, (b + 1) B); rank r of W takes the r-th contiguous
-slice of it. Each example keeps its position, from which its noise, time and flip are drawn, so the
+slice of it (replicas that differ in batch or update frequency read by islands.data.schedule, which is
+this layout when they are alike). Each example keeps its position, from which its noise, time and flip are drawn, so the
 trajectory does not depend on W, on the accumulation count, or on where a run was resumed.
 """
 
@@ -12,16 +13,22 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from islands.data import streams
+from islands.data.schedule import WorkerSchedule
 
 
 class StreamOrder:
-    """An infinite batch sampler of (example index, stream position) pairs for one rank."""
+    """An infinite batch sampler of (example index, stream position) pairs for one rank: its part of its
+    replica's slice at every tick its replica steps (islands.data.schedule)."""
 
-    def __init__(self, num_examples: int, batch_size: int, seed: int, start: int = 0, rank: int = 0, world: int = 1):
-        if batch_size % world:
-            raise ValueError(f"global batch {batch_size} is not divisible by {world} ranks")
-        self.n, self.batch, self.seed, self.start = num_examples, batch_size, seed, start
-        self.rank, self.world = rank, world
+    def __init__(self, num_examples: int, schedule: WorkerSchedule, seed: int, start: int = 0, replica: int = 0,
+                 part: int = 0, parts: int = 1, own_order: bool = False):
+        if schedule.batches[replica] % parts:
+            raise ValueError(f"a replica's batch of {schedule.batches[replica]} is not divisible by its {parts} ranks")
+        self.n, self.schedule, self.seed, self.tick = num_examples, schedule, seed, schedule.tick_at(start)
+        self.replica, self.part, self.parts = replica, part, parts
+        # own_order: the replica reads its own data (a shard) in an order of its own, on its own image clock; the
+        # positions, which key the noise, stay the global ones
+        self.own_order = own_order
         self._epoch, self._perm = -1, None
 
     def index_of(self, position: int) -> int:
@@ -32,12 +39,14 @@ class StreamOrder:
         return int(self._perm[position % self.n])
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        per_rank = self.batch // self.world
-        first = self.start
+        s, r = self.schedule, self.replica
+        per_rank = s.batches[r] // self.parts
         while True:
-            lo = first + self.rank * per_rank
-            yield [(self.index_of(p), p) for p in range(lo, lo + per_rank)]
-            first += self.batch
+            if s.active(self.tick, r):
+                lo = s.first_position(self.tick, r) + self.part * per_rank
+                mine = s.replica_images(self.tick, r) + self.part * per_rank if self.own_order else lo
+                yield [(self.index_of(mine + i), lo + i) for i in range(per_rank)]
+            self.tick += 1
 
 
 class StreamDataset(Dataset):
@@ -67,9 +76,12 @@ def _already_batched(batch):
 
 
 def stream_loader(source, batch_size: int, seed: int, start: int = 0, rank: int = 0, world: int = 1,
-                  workers: int = 0, flip: bool | None = None) -> DataLoader:
-    """Infinite loader of (x, labels or -1, positions) for this rank's slice of each global batch."""
-    order = StreamOrder(len(source), batch_size, seed, start, rank, world)
+                  workers: int = 0, flip: bool | None = None, schedule: WorkerSchedule | None = None, part: int = 0,
+                  parts: int = 1, own_order: bool = False) -> DataLoader:
+    """Infinite loader of (x, labels or -1, positions) for this rank's slice of each global batch of `batch_size`
+    images (`world` ranks), or, given a schedule, of replica `rank`'s batches (its `part` of `parts`)."""
+    schedule = schedule or WorkerSchedule.even(batch_size, world)
+    order = StreamOrder(len(source), schedule, seed, start, rank, part, parts, own_order)
     dataset = StreamDataset(source, seed, source.flip if flip is None else flip)
     # Its own generator: a DataLoader iterator otherwise draws its worker seed from the global RNG,
     # which would shift dropout masks after a resume.

@@ -11,15 +11,16 @@ STRATEGIES = {"none": Strategy, "ddp": DDPStrategy, "zero1": Zero1Strategy, "zer
               "fsdp": FSDPStrategy, "pipeline": PipelineStrategy, "local_sgd": LocalSGDStrategy,
               "diloco": DiLoCoStrategy}
 EXTRA = {"pipeline": ("stages", "microbatches", "schedule", "virtual_stages", "data"),
-         "local_sgd": ("sync_every", "batch_size", "fragments", "replicas"),
-         "diloco": ("sync_every", "batch_size", "outer_lr", "outer_momentum", "fragments", "replicas")}
+         "local_sgd": ("sync_every", "batch_size", "fragments", "replicas", "worker_batch", "worker_sync_every"),
+         "diloco": ("sync_every", "batch_size", "outer_lr", "outer_momentum", "fragments", "replicas", "worker_batch",
+                    "worker_sync_every")}
 
 
 def build_strategy(name: str, world: World, compression: str = "none", precision: str = "fp32",
                    compile: bool = False, activation_checkpointing: bool = False, **options) -> Strategy:
     """The strategy `parallel.strategy` names; `options` holds the keys some strategies read (EXTRA): the pipeline's
     parallel.stages, microbatches, schedule, virtual_stages and data, the local updates' sync_every, outer_lr,
-    outer_momentum, fragments and replicas, and the global batch_size."""
+    outer_momentum, fragments, replicas, worker_batch and worker_sync_every, and the global batch_size."""
     if name == "none" and world.distributed:
         raise ValueError("parallel.strategy: 'none' cannot run with several ranks; choose ddp")
     if name != "none" and not dist.is_initialized():

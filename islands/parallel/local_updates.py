@@ -21,6 +21,11 @@ replica trained by DDP inside it every step (the fast local network); the synchr
 the same place in every group (R ranks each, the slow link), so the ledger books the groups' gradient all-reduce
 (`all_reduce`) apart from the replicas' synchronisation (`outer_all_reduce`).
 
+Replicas that differ (`parallel.worker_batch`, `worker_lr`, `worker_sync_every`, `data.shards`): replica r takes
+H_r steps of B_r images in every round, on its own shard if given (islands.data.schedule lays out the stream), and
+the synchronisation weighs each replica by the images it consumed since the last one (B_r H_r / sum_j B_j H_j
+after a whole round), in place of the plain mean.
+
 Between synchronisations the replicas differ, so each rank's own state (weights, inner optimizer, EMA) is saved
 under its own name (`replica_<rank>`) and the synchronised state, the same on every rank, under `outer`. The EMA
 takes in only synchronised weights (the anchor, fragment by fragment when streaming), credited with the images
@@ -32,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from islands.data.schedule import WorkerSchedule
 from islands.parallel.launch import World
 from islands.parallel.strategies import WIRE_DTYPES, DDPStrategy, Strategy, averaged
 
@@ -57,12 +63,13 @@ class LocalSGDStrategy(Strategy):
 
     def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False,
                  activation_checkpointing: bool = False, sync_every: int = 100, batch_size: int = 1,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1, replicas: int | None = None):
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1, replicas: int | None = None,
+                 worker_batch: list[int] | None = None, worker_sync_every: list[int] | None = None):
         super().__init__(world, compression, precision, compile, activation_checkpointing)
         if fragments > sync_every:
             raise ValueError(f"parallel.fragments: {fragments} fragments cannot take turns within "
                              f"sync_every={sync_every} steps")
-        self.replicas, self.outer_group, self.inner = world.size, world.group, None
+        self.replicas, self.outer_group, self.inner, per = world.size, world.group, None, 1
         if replicas is not None and replicas != world.size:
             if world.size % replicas:
                 raise ValueError(f"parallel.replicas: {world.size} ranks do not split into {replicas} equal replicas")
@@ -72,9 +79,16 @@ class LocalSGDStrategy(Strategy):
             per = group.size  # every rank creates every group, in the same order
             across = [dist.new_group([place + r * per for r in range(replicas)]) for place in range(per)]
             self.outer_group = across[group.rank]
-        self.every, self.batch, self.count = sync_every, batch_size, fragments
+        self.replica, self.part, self.parts = world.rank // per, world.rank % per, per
+        for key, given in (("worker_batch", worker_batch), ("worker_sync_every", worker_sync_every)):
+            if given is not None and len(given) != self.replicas:
+                raise ValueError(f"parallel.{key}: {len(given)} entries for {self.replicas} replicas")
+        even = WorkerSchedule.even(batch_size, self.replicas, sync_every)
+        self.schedule = WorkerSchedule(tuple(worker_batch or even.batches), tuple(worker_sync_every or even.steps))
+        # a round of the schedule is a cycle of H = the longest replica's steps (the common sync_every if alike)
+        self.every, self.count = self.schedule.ticks, fragments
         # fragment f synchronises at the steps s with s = offsets[f] (mod H); the last fragment at multiples of H
-        self.offsets = [(f + 1) * sync_every // fragments % sync_every for f in range(fragments)]
+        self.offsets = [(f + 1) * self.every // fragments % self.every for f in range(fragments)]
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum  # diloco's
         self.net: nn.Module | None = None
         self.anchor: dict[str, torch.Tensor] = {}  # the last synchronised weights, where the net does not hold them
@@ -95,30 +109,36 @@ class LocalSGDStrategy(Strategy):
         if self.inner:  # the ranks of one replica hold the same weights
             self.inner.check_consistency(net)
 
+    def clock(self, batch: int) -> tuple[WorkerSchedule, int, int, int]:
+        return self.schedule, self.replica, self.part, self.parts
+
     def due(self, step: int) -> list[int]:
         return [f for f, offset in enumerate(self.offsets) if step % self.every == offset]
 
     def after_step(self, images: int, last: bool = False) -> int:
         """Synchronise the fragments due at this step, and all of them at the end of the run; -> the images since
         the previous synchronisation if one happened now (what the EMA takes in), else 0."""
-        step = images // self.batch
+        step = self.schedule.tick_at(images)
         due = range(self.count) if last else self.due(step)
         if not due:
             return 0
+        # replicas that differ bring what they consumed since the round began (islands.data.schedule)
+        weight = None if self.schedule.alike else self.schedule.weights(step - 1)[self.replica]
         params = dict(self.net.named_parameters())
         for f in due:
             self.synchronise([params[name] for name in self.fragments[f]], [self.anchor.get(n) for n in
-                                                                            self.fragments[f]])
+                                                                            self.fragments[f]], weight)
         previous = max(s for s in range(max(step - self.every, 0), step) if s == 0 or self.due(s))
-        return (step - previous) * self.batch
+        return images - self.schedule.images_after(previous)
 
     def ema_weights(self) -> dict[str, torch.Tensor] | None:
         return self.anchor if self.count > 1 else None  # whole: the net holds the anchor after each synchronisation
 
     @torch.no_grad()
-    def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor | None]) -> None:
+    def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor | None],
+                    weight: float | None = None) -> None:
         for p, a, m in zip(params, anchors, averaged(params, self.ledger, self.outer_group, self.replicas,
-                                                     collective="outer_all_reduce"), strict=True):
+                                                     collective="outer_all_reduce", weight=weight), strict=True):
             p.copy_(m)
             if a is not None:
                 a.copy_(m)
@@ -144,10 +164,10 @@ class DiLoCoStrategy(LocalSGDStrategy):
         return model
 
     @torch.no_grad()
-    def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor]) -> None:
+    def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor], weight: float | None = None) -> None:
         deltas = [a - p for a, p in zip(anchors, params, strict=True)]
         for a, d in zip(anchors, averaged(deltas, self.ledger, self.outer_group, self.replicas,
-                                          WIRE_DTYPES[self.compression], "outer_all_reduce"), strict=True):
+                                          WIRE_DTYPES[self.compression], "outer_all_reduce", weight), strict=True):
             a.grad = d
         self.outer.step()  # SGD steps only the anchors with a gradient: this fragment's
         for a, p in zip(anchors, params, strict=True):

@@ -28,6 +28,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from islands.data.schedule import WorkerSchedule
 from islands.parallel.activation_checkpointing import checkpoint_blocks
 from islands.parallel.launch import World
 from islands.parallel.ledger import Ledger
@@ -86,6 +87,12 @@ class Strategy:
     def data_shard(self) -> tuple[int, int]:
         """(which share of each global batch this rank reads, into how many shares it is cut)."""
         return self.world.rank, self.world.size
+
+    def clock(self, batch: int) -> tuple[WorkerSchedule, int, int, int]:
+        """What this rank reads at each tick: (the replicas' schedule, this rank's replica, its part of the
+        replica's batch, the parts). Here every data share is a replica that steps at every tick."""
+        share, shares = self.data_shard()
+        return WorkerSchedule.even(batch, shares), share, 0, 1
 
     def after_step(self, images: int, last: bool = False) -> int | None:
         """Called after every optimizer step, with the images consumed so far and whether it was the run's last (an
@@ -195,15 +202,17 @@ def _counting_broadcasts(ledger: Ledger):
 
 WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-def averaged(tensors: list[torch.Tensor], ledger: Ledger, group, size: int,
-             wire: torch.dtype | None = None, collective: str = "all_reduce") -> list[torch.Tensor]:
-    """The mean over the `size` ranks of `group` of `tensors`, sent as one flat all-reduce (in `wire`, if given) and
-    counted in `ledger` under `collective`; new tensors shaped like them."""
+def averaged(tensors: list[torch.Tensor], ledger: Ledger, group, size: int, wire: torch.dtype | None = None,
+             collective: str = "all_reduce", weight: float | None = None) -> list[torch.Tensor]:
+    """The mean over the `size` ranks of `group` of `tensors` (weighted: the sum of each rank's tensors times its
+    `weight`), sent as one flat all-reduce (in `wire`, if given) and counted in `ledger` under `collective`; new
+    tensors shaped like them."""
     flat = torch.cat([t.detach().flatten() for t in tensors])
+    flat = flat if weight is None else flat * weight
     payload = flat if wire is None else flat.to(wire)
     ledger.record(collective, payload.numel() * payload.element_size(), size)
     dist.all_reduce(payload, group=group)
-    mean = payload.to(flat.dtype) / size
+    mean = payload.to(flat.dtype) / (size if weight is None else 1)
     return [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in tensors]), tensors, strict=True)]
 
 

@@ -18,7 +18,7 @@ from islands.errors import ConfigError, TrainingStopped, config_errors
 from islands.parallel.launch import World, close_world, init_world
 from islands.rundir import atomic_write_text, latest_checkpoint
 from islands.train.flops import flops_per_image, write_flops
-from islands.trainer.parts import Parts, build_parts, learning_rate, run_length
+from islands.trainer.parts import Parts, build_parts, learning_rate
 from islands.trainer.ranges import tstage_config
 from islands.trainer.reporters import Step, build_reporters
 
@@ -63,34 +63,46 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
 
     batch, accumulate = cfg.train.batch_size, cfg.train.accumulate
     share, shares = parts.strategy.data_shard()  # pipeline stages of one data row read the same share
-    loader = iter(stream_loader(parts.source, batch, cfg.seed, start=state.images, rank=share,
-                                world=shares, workers=cfg.data.workers, flip=cfg.data.flip))
+    # replicas that differ step at some ticks only, each at its own rate (islands.data.schedule)
+    schedule, replica, part, replica_ranks = parts.strategy.clock(batch)
+    with config_errors("parallel"):  # a resume under another schedule must land on one of its ticks
+        tick = schedule.tick_at(state.images)
+    loader = iter(stream_loader(parts.source, batch, cfg.seed, start=state.images, rank=replica,
+                                workers=cfg.data.workers, flip=cfg.data.flip, schedule=schedule, part=part,
+                                parts=replica_ranks, own_order=cfg.data.shards is not None))
+    peak_lr = cfg.parallel.worker_lr[replica] if cfg.parallel.worker_lr else cfg.train.lr
     if world.is_main:
         micro = batch // (shares * accumulate)
         per_image = flops_per_image(cfg.model, parts.shape, parts.num_classes, parts.objective, micro, world.device,
                                     cfg.train.activation_checkpointing)
-        write_flops(parts.run_dir, per_image, run_length(cfg.train.images, batch))
-    reporters = build_reporters(parts, state.images, run_length(cfg.train.images, batch), progress)
+        write_flops(parts.run_dir, per_image, schedule.run_length(cfg.train.images))
+    reporters = build_reporters(parts, state.images, schedule.run_length(cfg.train.images), progress)
     parts.net.train()
     try:
         while state.images < cfg.train.images:
-            # The global batch, this rank's share of it, in micro-batches that each keep their stream positions.
-            x, labels, positions = next(loader)
-            x, labels = x.to(world.device, non_blocking=True), labels.to(world.device)
-            micro_batches = list(zip(x.chunk(accumulate), labels.chunk(accumulate), positions.chunk(accumulate),
-                                     strict=True))
-            lr = learning_rate(cfg.train.lr, cfg.train.warmup_images, batch, state.images)
-            loss, grad_norm, finite = optimizer_step(parts, micro_batches, lr)
+            images = schedule.tick_images(tick)
+            lr = learning_rate(peak_lr, cfg.train.warmup_images, images, state.images)
+            stepped = schedule.active(tick, replica)
+            if stepped:
+                # The global batch, this rank's share of it, in micro-batches that each keep their stream positions.
+                x, labels, positions = next(loader)
+                x, labels = x.to(world.device, non_blocking=True), labels.to(world.device)
+                micro_batches = list(zip(x.chunk(accumulate), labels.chunk(accumulate), positions.chunk(accumulate),
+                                         strict=True))
+                loss, grad_norm, finite = optimizer_step(parts, micro_batches, lr)
+            else:  # a slower replica waits out the round; it still votes on whether the others' step was finite
+                loss, grad_norm, finite = math.nan, math.nan, world.all_finite(True)
 
             # The clock moves on even for a skipped step: its images were consumed.
             before = state.images
-            state.images += batch
+            state.images += images
             state.step += 1
+            tick += 1
             # The strategy may synchronise replicas here; the EMA takes in the model's weights, not a replica's.
             credit = parts.strategy.after_step(state.images, state.images >= cfg.train.images)
             if finite:
                 if parts.ema is not None and credit != 0:
-                    parts.ema.update(parts.net, state.images, batch if credit is None else credit,
+                    parts.ema.update(parts.net, state.images, images if credit is None else credit,
                                      parts.strategy.ema_weights())
                 state.nonfinite_in_a_row = 0
             else:
@@ -102,8 +114,8 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
                         f"(image {state.images}); last good checkpoint: {latest_checkpoint(parts.run_dir) or 'none'}")
 
             # Each reporter decides for itself whether it is due at this image count.
-            step = Step(before, state, finite, loss, grad_norm, sum(parts.strategy.ledger.close_step().values()),
-                        batch, lr, state.images >= cfg.train.images)
+            step = Step(before, state, finite and stepped, loss, grad_norm,
+                        sum(parts.strategy.ledger.close_step().values()), images, lr, state.images >= cfg.train.images)
             for reporter in reporters:
                 reporter(step)
     finally:

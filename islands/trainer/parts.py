@@ -1,14 +1,14 @@
 """The parts of a run, built from its config: strategy, data, network, wrapped model, optimizer, EMA, loss scaler
 and objective; resumed from the run directory's latest checkpoint; written into a new one."""
 
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from islands.config import Config
-from islands.data import build_data
+from islands.data import ClusterSubset, build_data
+from islands.data.clusters import read_clusters
 from islands.data.sources import Source
 from islands.errors import ConfigError, config_errors
 from islands.generate import network_with_weights
@@ -112,9 +112,17 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
                                   train.activation_checkpointing, stages=par.stages, microbatches=par.microbatches,
                                   schedule=par.schedule, virtual_stages=par.virtual_stages, data=par.data,
                                   sync_every=par.sync_every, outer_lr=par.outer_lr, outer_momentum=par.outer_momentum,
-                                  fragments=par.fragments, replicas=par.replicas, batch_size=train.batch_size)
+                                  fragments=par.fragments, replicas=par.replicas, batch_size=train.batch_size,
+                                  worker_batch=par.worker_batch, worker_sync_every=par.worker_sync_every)
+        schedule, replica, _, parts = strategy.clock(train.batch_size)
     shares = strategy.data_shard()[1]
-    if train.batch_size % (shares * train.accumulate):
+    for r, b in enumerate(schedule.batches):
+        if par.worker_batch and b % (parts * train.accumulate):
+            raise ConfigError(f"parallel.worker_batch: replica {r}'s {b} images are not divisible by its {parts} "
+                              f"ranks x accumulate={train.accumulate}")
+    if par.worker_lr is not None and len(par.worker_lr) != len(schedule.batches):
+        raise ConfigError(f"parallel.worker_lr: {len(par.worker_lr)} entries for {len(schedule.batches)} replicas")
+    if not par.worker_batch and train.batch_size % (shares * train.accumulate):
         raise ConfigError(f"train.batch_size: {train.batch_size} is not divisible by "
                           f"{shares} data-parallel ranks x accumulate={train.accumulate}")
     if par.strategy == "pipeline" and train.objective != "diffusion":  # a router or a student is not cut in stages
@@ -131,6 +139,12 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     torch.manual_seed(cfg.seed)
 
     source = build_data(cfg.data, cfg.seed)  # a corrupt file is reported, by name, when a batch reaches it
+    if cfg.data.shards is not None:  # replica r trains on cluster r of the partition only
+        clusters = read_clusters(cfg.data.shards, len(source))
+        if int(clusters.max()) + 1 != len(schedule.batches):
+            raise ConfigError(f"data.shards: {cfg.data.shards} has {int(clusters.max()) + 1} clusters for "
+                              f"{len(schedule.batches)} replicas")
+        source = ClusterSubset(source, clusters, replica)
     shape, num_classes = tuple(source.shape), cfg.model.num_classes
     if num_classes and num_classes != source.num_classes:
         raise ConfigError(f"model.num_classes: {num_classes} does not match the data's {source.num_classes} classes")
@@ -172,8 +186,3 @@ def learning_rate(lr: float, warmup_images: int, batch: int, images: int) -> flo
     if warmup_images == 0:
         return lr
     return lr * min(1.0, (images + batch) / warmup_images)
-
-
-def run_length(images: int, batch: int) -> int:
-    """The images a run of `images` consumes: whole global batches."""
-    return math.ceil(images / batch) * batch
