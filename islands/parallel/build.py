@@ -1,15 +1,17 @@
 """parallel.strategy -> its Strategy, with the checks that span strategies."""
 
+import importlib
+
 import torch.distributed as dist
 
 from islands.parallel.launch import World
-from islands.parallel.local_updates import DiLoCoStrategy, LocalSGDStrategy
-from islands.parallel.pipeline import PipelineStrategy
-from islands.parallel.strategies import DDPStrategy, FSDPStrategy, Strategy, Zero1Strategy, Zero2Strategy
+from islands.parallel.strategies import Strategy
 
-STRATEGIES = {"none": Strategy, "ddp": DDPStrategy, "zero1": Zero1Strategy, "zero2": Zero2Strategy,
-              "fsdp": FSDPStrategy, "pipeline": PipelineStrategy, "local_sgd": LocalSGDStrategy,
-              "diloco": DiLoCoStrategy}
+# imported when chosen: the sharding and pipelining modules of torch take seconds to import
+STRATEGIES = {"none": "strategies.Strategy", "ddp": "strategies.DDPStrategy", "zero1": "sharding.Zero1Strategy",
+              "zero2": "sharding.Zero2Strategy", "fsdp": "sharding.FSDPStrategy",
+              "pipeline": "pipeline.PipelineStrategy", "local_sgd": "local_updates.LocalSGDStrategy",
+              "diloco": "local_updates.DiLoCoStrategy"}
 EXTRA = {"pipeline": ("stages", "microbatches", "schedule", "virtual_stages", "data"),
          "local_sgd": ("sync_every", "batch_size", "fragments", "replicas", "worker_batch", "worker_sync_every"),
          "diloco": ("sync_every", "batch_size", "outer_lr", "outer_momentum", "fragments", "replicas", "worker_batch",
@@ -34,4 +36,6 @@ def build_strategy(name: str, world: World, compression: str = "none", precision
         raise ValueError("parallel.compression: local_sgd averages the weights themselves, which 16 bits would "
                          "round; diloco sends its pseudo-gradients in 16 bits")
     extra = {k: options[k] for k in EXTRA.get(name, ()) if k in options}
-    return STRATEGIES[name](world, compression, precision, compile, activation_checkpointing, **extra)
+    module, cls = STRATEGIES[name].split(".")
+    strategy = getattr(importlib.import_module(f"islands.parallel.{module}"), cls)
+    return strategy(world, compression, precision, compile, activation_checkpointing, **extra)

@@ -12,6 +12,7 @@ zero2  FSDP2 keeping parameters gathered from forward to backward: gradients and
        sharded, parameters sharded only between steps (FSDP's SHARD_GRAD_OP, ZeRO stage 2).
 fsdp   FSDP2 `fully_shard` per block, then the root: parameters, gradients and optimizer state
        sharded, each block gathered only while it computes (ZeRO stage 3).
+(zero1, zero2 and fsdp live in islands/parallel/sharding.py, imported only by the runs that choose them.)
 pipeline  the network cut into stages on different ranks (islands/parallel/pipeline.py).
 
 Every strategy counts its traffic in a `Ledger`, at the place where the collective is issued.
@@ -22,10 +23,6 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from islands.data.schedule import WorkerSchedule
@@ -109,7 +106,7 @@ class Strategy:
         return held
 
     def optimizer(self, net: nn.Module, kind: str = "adamw", **hyper) -> torch.optim.Optimizer:
-        return OPTIMIZERS[kind](net.parameters(), **_hyper_of(kind, hyper))
+        return OPTIMIZERS[kind](net.parameters(), **optimizer_hyper(kind, hyper))
 
     def local_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer whose state this rank holds (its own partition under ZeRO-1)."""
@@ -156,50 +153,6 @@ class DDPStrategy(Strategy):
             raise RuntimeError(f"ranks hold different weights after a checkpoint: {', '.join(names[:5])}")
 
 
-class Zero1Strategy(DDPStrategy):
-    """Gradients all-reduced as in DDP; each rank keeps Adam's moments of its own parameters only,
-    steps them, and broadcasts them to the others."""
-
-    name = "zero1"
-
-    def optimizer(self, net: nn.Module, kind: str = "adamw", **hyper) -> torch.optim.Optimizer:
-        ledger = self.ledger
-
-        class CountingZero(ZeroRedundancyOptimizer):
-            def step(self, *args, **kwargs):
-                with _counting_broadcasts(ledger):
-                    return super().step(*args, **kwargs)
-
-        return CountingZero(net.parameters(), optimizer_class=OPTIMIZERS[kind], **_hyper_of(kind, hyper))
-
-    def local_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return opt.optim
-
-
-@contextlib.contextmanager
-def _counting_broadcasts(ledger: Ledger):
-    """Count every `dist.broadcast` issued inside the block, at its real payload.
-
-    ZeroRedundancyOptimizer.step (torch 2.x, without overlap_with_ddp) steps the local partition, then
-    calls `dist.broadcast(param, src=owner)` once per parameter of every rank's partition (or once per
-    rank's bucket with parameters_as_bucket_view): every rank takes part in each call, as sender or
-    receiver. The ledger books a broadcast of n bytes as (W - 1) / W * n sent per rank, the traffic of a
-    pipelined broadcast averaged over ranks. It has no hook of its own, so the module attribute it looks up
-    is wrapped for the duration of the step only.
-    """
-    issue = dist.broadcast
-
-    def counted(tensor, *args, **kwargs):
-        ledger.record("broadcast", tensor.numel() * tensor.element_size())
-        return issue(tensor, *args, **kwargs)
-
-    dist.broadcast = counted
-    try:
-        yield
-    finally:
-        dist.broadcast = issue
-
-
 WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 def averaged(tensors: list[torch.Tensor], ledger: Ledger, group, size: int, wire: torch.dtype | None = None,
@@ -220,66 +173,8 @@ def averaged(tensors: list[torch.Tensor], ledger: Ledger, group, size: int, wire
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
-def _hyper_of(kind: str, hyper: dict) -> dict:
+def optimizer_hyper(kind: str, hyper: dict) -> dict:
     return hyper if kind == "adamw" else {k: v for k, v in hyper.items() if k != "betas"}
-
-
-class FSDPStrategy(Strategy):
-    name = "fsdp"
-    reshard_after_forward = True
-
-    def wrap(self, net: nn.Module) -> nn.Module:
-        net = super().wrap(net)
-        # bf16 parameters for compute, fp32 reduction and fp32 master weights (torchtitan's default);
-        # parallel.compression, if set, lowers the reduce-scatter's precision instead.
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.precision == "bf16" else None,
-                                      reduce_dtype=WIRE_DTYPES[self.compression] or torch.float32)
-        units = [*net.blocks, net]  # the root last, so it owns only what no block holds
-        for unit in units:
-            # None: blocks reshard after forward, the root (needed first in backward) stays gathered
-            fully_shard(unit, mp_policy=policy, reshard_after_forward=None if self.reshard_after_forward else False)
-        for unit in units:
-            unit.set_custom_all_gather(_CountingAllGather(self.ledger))
-            unit.set_custom_reduce_scatter(_CountingReduceScatter(self.ledger))
-        return net
-
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-
-    def clip_grad_norm(self, params: list, max_norm: float) -> torch.Tensor:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-    def full_state_dict(self, state: dict) -> dict:
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
-
-
-class Zero2Strategy(FSDPStrategy):
-    name = "zero2"
-    reshard_after_forward = False
-
-
-class _CountingAllGather(DefaultAllGather):
-    def __init__(self, ledger: Ledger):
-        self.ledger = ledger
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self.ledger.record("all_gather", output_tensor.numel() * output_tensor.element_size())
-        return super().__call__(output_tensor, input_tensor, group, async_op)
-
-
-class _CountingReduceScatter(DefaultReduceScatter):
-    def __init__(self, ledger: Ledger):
-        self.ledger = ledger
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.ledger.record("reduce_scatter", input_tensor.numel() * input_tensor.element_size())
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 def _averaging_hook(compression: str):
