@@ -487,7 +487,7 @@ def _probe_two_ranks(rank: int, port: int, out: str) -> None:
     """Rank `rank` of 2: the strategies' own objects, one real step each, and what they hold and send."""
     import torch.distributed as dist
 
-    from islands.parallel.build import STRATEGIES
+    from islands.parallel.build import strategy_class
     from islands.parallel.launch import World
 
     torch.set_num_threads(1)
@@ -509,7 +509,7 @@ def _probe_two_ranks(rank: int, port: int, out: str) -> None:
     dist.broadcast = observed
     for name in ("ddp", "zero1", "zero2", "fsdp"):
         torch.manual_seed(0)
-        strategy = STRATEGIES[name](world)
+        strategy = strategy_class(name)(world)
         net = build_network(cfg.model, (2,), 3)
         model = strategy.wrap(net)
         opt = strategy.optimizer(net, lr=1e-3)

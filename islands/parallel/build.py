@@ -36,6 +36,10 @@ def build_strategy(name: str, world: World, compression: str = "none", precision
         raise ValueError("parallel.compression: local_sgd averages the weights themselves, which 16 bits would "
                          "round; diloco sends its pseudo-gradients in 16 bits")
     extra = {k: options[k] for k in EXTRA.get(name, ()) if k in options}
+    return strategy_class(name)(world, compression, precision, compile, activation_checkpointing, **extra)
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The class `parallel.strategy` names, its module imported only now."""
     module, cls = STRATEGIES[name].split(".")
-    strategy = getattr(importlib.import_module(f"islands.parallel.{module}"), cls)
-    return strategy(world, compression, precision, compile, activation_checkpointing, **extra)
+    return getattr(importlib.import_module(f"islands.parallel.{module}"), cls)
