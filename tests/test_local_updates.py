@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from test_parallel import (
     cut_back,
     exported,
@@ -24,6 +25,7 @@ from islands.data import ClusterSubset, GMMSource
 from islands.data.loader import StreamOrder
 from islands.data.schedule import WorkerSchedule
 from islands.nets import build_network
+from islands.parallel.costs import bytes_per_step
 from islands.parallel.launch import World
 from islands.parallel.local_updates import DiLoCoStrategy, LocalSGDStrategy, fragments_of
 from islands.trainer import train
@@ -58,11 +60,14 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_whole_or_streamed_a
     # 20 steps, a synchronisation every 4: one all-reduce of the weights per 4 steps, where DDP sends its gradients
     # (the same bytes) every step. bf16 pseudo-gradients halve it.
     sent = json.loads((local / "communication.json").read_text())["bytes_per_step"]
+    net = build_network(validate(cfg).model, (2,), 3)
     assert sent == pytest.approx({"outer_all_reduce": predicted_bytes("ddp", 1, cfg)["all_reduce"] / 4})
+    assert sent == pytest.approx(bytes_per_step("local_sgd", net, 2, sync_every=4))  # what `islands plan` prices
     halved = two_ranks(tmp_path, "bf16", cfg, "parallel.strategy=diloco", "parallel.sync_every=4",
                        "parallel.compression=bf16")
     sent16 = json.loads((halved / "communication.json").read_text())["bytes_per_step"]
     assert sent16 == pytest.approx({"outer_all_reduce": predicted_bytes("ddp", 1, cfg)["all_reduce"] / 8})
+    assert sent16 == pytest.approx(bytes_per_step("diloco", net, 2, compression="bf16", sync_every=4))
 
     # Streamed: two fragments taking turns every 2 of the 4 steps of a cycle, each synchronisation moving its
     # fragment only, on a trajectory of its own.
@@ -109,7 +114,10 @@ def test_two_islands_of_two_ranks_synchronising_every_step_with_plain_sgd_are_on
     assert relative_difference(single, final_weights(tmp_path / "every_step")) < 1e-5
     ddp = predicted_bytes("ddp", 1, cfg)["all_reduce"]  # over 2 ranks
     sent = json.loads((tmp_path / "every_4" / "communication.json").read_text())["bytes_per_step"]
-    assert sent == pytest.approx({"all_reduce": ddp, "outer_all_reduce": ddp / 4})
+    net = build_network(validate(cfg).model, (2,), 3)
+    half = 4 * -(-sum(p.numel() for p in net.parameters()) // 2)  # bytes of half the flat parameters, padded
+    assert sent == pytest.approx({"all_reduce": ddp, "outer_all_reduce": half / 4, "all_gather": half / 4})
+    assert sent == pytest.approx(bytes_per_step("local_sgd", net, 4, sync_every=4, replicas=2))
     assert relative_difference(single, final_weights(tmp_path / "every_4")) > 1e-4
 
 
@@ -195,11 +203,15 @@ def test_streamed_diloco_steps_each_fragment_at_its_own_time_with_its_own_nester
         dist.destroy_process_group()
 
 
-def test_local_sgd_refuses_16_bit_weights(tmp_path):
-    ranks = launch_ranks(2, mlp_config(tmp_path / "bad"), tmp_path, "parallel.strategy=local_sgd",
-                         "parallel.compression=bf16")
-    for r in ranks:
-        assert r.returncode == 2 and "parallel.compression: local_sgd averages the weights themselves" in r.stderr
+def test_local_sgd_refuses_16_bit_weights(tmp_path, capsys):
+    """A check of the config alone: it fails in one process as it would on every rank, before any process group."""
+    from islands.cli import main
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(mlp_config(tmp_path / "bad")))
+    assert main(["train", str(path), "parallel.strategy=local_sgd", "parallel.compression=bf16", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "parallel.compression: local_sgd averages the weights themselves" in err
 
 
 def test_a_schedule_of_unequal_replicas_reads_every_position_once_and_weighs_them_by_their_images():
@@ -254,8 +266,14 @@ def test_replicas_with_unequal_batches_averaged_by_their_images_are_one_process_
     np.savez(partition / "assignments.npz", cluster=np.arange(4096) % 2)
     hetero = {**cfg, "data": {**cfg["data"], "shards": str(partition)},
               "parallel": {"worker_batch": [8, 24], "worker_lr": [0.05, 0.02], "worker_sync_every": [4, 2]}}
-    run = two_ranks(tmp_path, "hetero", hetero, "parallel.strategy=diloco")
-    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
-    assert last["images"] == WorkerSchedule((8, 24), (4, 2)).run_length(640) == 640
+    run = two_ranks(tmp_path, "hetero", hetero, "parallel.strategy=diloco", "train.log_every=8")
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["images"] == WorkerSchedule((8, 24), (4, 2)).run_length(640) == 640
+    # A line per tick. In ticks 2 and 3 of each round (80 images: 32, 32, 8, 8) replica 1 is idle: the line is
+    # replica 0's loss alone, not its mean with a 0 (which would halve it).
+    idle = [r["loss"] for r in lines if r["images"] % 80 in (72, 0)]
+    busy = [r["loss"] for r in lines if r["images"] % 80 in (32, 64)]
+    assert len(idle) == len(busy) == 16
+    assert 0.75 < np.mean(idle) / np.mean(busy) < 1.33
     sent = json.loads((run / "communication.json").read_text())["total_bytes"]["outer_all_reduce"]
     assert sent == pytest.approx(8 * predicted_bytes("ddp", 1, cfg)["all_reduce"])  # 8 rounds of 4 x 8 + 2 x 24

@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from islands.config import validate
 from islands.nets import build_network
+from islands.parallel.costs import carry_bytes
 from islands.parallel.ledger import bytes_sent
 from islands.parallel.pipeline import Stage, balanced_cut, block_costs
 from islands.trainer import train
@@ -111,17 +112,6 @@ def single_image_runs(tmp_path_factory):
     return run
 
 
-def carried_bytes(net, cfg: dict, stop: int) -> int:
-    """The bytes of the carry out of blocks [0, stop) for one global batch (fp32)."""
-    _, shape = TINY[cfg["model"]["arch"]]
-    x, t, cond = torch.zeros(cfg["train"]["batch_size"], *shape), torch.zeros(cfg["train"]["batch_size"]), None
-    with torch.no_grad():
-        carry = net.stem(x, t, cond)
-        for i in range(stop):
-            carry = net.block_forward(i, carry)
-    return sum(c.numel() * c.element_size() for c in carry)
-
-
 @pytest.mark.parametrize("arch,schedule", list(itertools.product(["dit", "unet"], ["gpipe", "1f1b", "interleaved"])))
 def test_ten_pipelined_steps_follow_the_single_process_trajectory(tmp_path, single_image_runs, arch, schedule):
     cfg, single = single_image_runs(arch)
@@ -135,7 +125,8 @@ def test_ten_pipelined_steps_follow_the_single_process_trajectory(tmp_path, sing
         net, shape = tiny_network(arch)
         cut = balanced_cut(block_costs(net, example(shape, 1)), 2)
         sent = json.loads((tmp_path / "pipe" / "communication.json").read_text())["bytes_per_step"]
-        assert sent == {"pipeline_activations": carried_bytes(net, cfg, cut[0].stop), "pipeline_gradients": 0.0}
+        carry = carry_bytes(net, cfg["train"]["batch_size"], cut[0].stop)
+        assert sent == {"pipeline_activations": carry, "pipeline_gradients": 0.0}
 
 
 def test_bf16_and_activation_checkpointing_compose_with_the_pipeline_bit_for_bit(tmp_path, image_npz):

@@ -19,7 +19,10 @@ are the paper's, the wall time is not.
 Islands of islands (`parallel.replicas` = R < the world size): the ranks form R contiguous groups, each one
 replica trained by DDP inside it every step (the fast local network); the synchronisation runs between the ranks of
 the same place in every group (R ranks each, the slow link), so the ledger books the groups' gradient all-reduce
-(`all_reduce`) apart from the replicas' synchronisation (`outer_all_reduce`).
+(`all_reduce`) apart from the replicas' synchronisation (`outer_all_reduce`). The ranks of a group hold the same
+replica, so the exchange is hierarchical: the rank at place p of its group (of G) averages only the p-th of G equal
+pieces of the flat parameters with its counterparts, and the group then all-gathers the pieces (in fp32) on its fast
+network (`all_gather`). The slow link carries the model once per group, not G times.
 
 Replicas that differ (`parallel.worker_batch`, `worker_lr`, `worker_sync_every`, `data.shards`): replica r takes
 H_r steps of B_r images in every round, on its own shard if given (islands.data.schedule lays out the stream), and
@@ -134,11 +137,24 @@ class LocalSGDStrategy(Strategy):
     def ema_weights(self) -> dict[str, torch.Tensor] | None:
         return self.anchor if self.count > 1 else None  # whole: the net holds the anchor after each synchronisation
 
+    def average(self, tensors: list[torch.Tensor], wire: torch.dtype | None, weight: float | None) -> list:
+        """The (weighted) mean of `tensors` over the replicas; by pieces when a replica spans a group of ranks."""
+        if self.inner is None:
+            return averaged(tensors, self.ledger, self.outer_group, self.replicas, wire, "outer_all_reduce", weight)
+        flat = torch.cat([t.detach().flatten() for t in tensors])
+        pieces = list(torch.nn.functional.pad(flat, (0, -flat.numel() % self.parts)).chunk(self.parts))
+        mine = averaged([pieces[self.part]], self.ledger, self.outer_group, self.replicas, wire,
+                        "outer_all_reduce", weight)[0]
+        gathered = [torch.empty_like(mine) for _ in pieces]  # in full precision: the fast network is not the limit
+        self.ledger.record("all_gather", mine.numel() * mine.element_size() * self.parts, self.parts)
+        dist.all_gather(gathered, mine, group=self.inner.world.group)
+        mean = torch.cat(gathered)[:flat.numel()]
+        return [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in tensors]), tensors, strict=True)]
+
     @torch.no_grad()
     def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor | None],
                     weight: float | None = None) -> None:
-        for p, a, m in zip(params, anchors, averaged(params, self.ledger, self.outer_group, self.replicas,
-                                                     collective="outer_all_reduce", weight=weight), strict=True):
+        for p, a, m in zip(params, anchors, self.average(params, None, weight), strict=True):
             p.copy_(m)
             if a is not None:
                 a.copy_(m)
@@ -166,8 +182,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
     @torch.no_grad()
     def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor], weight: float | None = None) -> None:
         deltas = [a - p for a, p in zip(anchors, params, strict=True)]
-        for a, d in zip(anchors, averaged(deltas, self.ledger, self.outer_group, self.replicas,
-                                          WIRE_DTYPES[self.compression], "outer_all_reduce", weight), strict=True):
+        for a, d in zip(anchors, self.average(deltas, WIRE_DTYPES[self.compression], weight), strict=True):
             a.grad = d
         self.outer.step()  # SGD steps only the anchors with a gradient: this fragment's
         for a, p in zip(anchors, params, strict=True):
