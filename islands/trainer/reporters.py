@@ -86,7 +86,10 @@ class MetricsLog(Reporter):
     def report(self, step: Step) -> None:
         w, world = self.window, self.parts.world
         seconds, steps = time.perf_counter() - w["start"], max(w["steps"], 1)
-        loss, comm_per_step = world.mean([w["loss"] / steps, w["comm_bytes"] / max(w["steps_all"], 1)])
+        # sums and counts apart: a replica idle for the whole window (a slower worker) adds no steps, not a loss of 0
+        loss_sum, loss_steps, comm_per_step = world.mean([w["loss"], w["steps"],
+                                                          w["comm_bytes"] / max(w["steps_all"], 1)])
+        loss = loss_sum / loss_steps if loss_steps > 0 else 0.0
         record = {"images": step.progress.images, "step": step.progress.step, "loss": loss,
                   "grad_norm": w["grad_norm"] / steps, "lr": step.lr, "images_per_s": w["images"] / seconds,
                   "skipped": step.progress.skipped}
