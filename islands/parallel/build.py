@@ -25,8 +25,6 @@ def build_strategy(name: str, world: World, compression: str = "none", precision
     outer_momentum, fragments, replicas, worker_batch and worker_sync_every, and the global batch_size."""
     if name == "none" and world.distributed:
         raise ValueError("parallel.strategy: 'none' cannot run with several ranks; choose ddp")
-    if name != "none" and not dist.is_initialized():
-        raise ValueError(f"parallel.strategy: {name!r} needs a process group; launch with torchrun")
     if world.group is not None and name not in ("ddp", "none"):  # FSDP's mesh and ZeRO's partitions span the whole job
         raise ValueError(f"parallel.strategy: inside a group of ranks (tstages) each group runs ddp, not {name!r}")
     if name in ("fsdp", "zero2", "pipeline") and precision == "fp16":
@@ -35,6 +33,9 @@ def build_strategy(name: str, world: World, compression: str = "none", precision
     if name == "local_sgd" and compression != "none":
         raise ValueError("parallel.compression: local_sgd averages the weights themselves, which 16 bits would "
                          "round; diloco sends its pseudo-gradients in 16 bits")
+    # after the checks of the config alone, so that those fail the same in one process as on many ranks
+    if name != "none" and not dist.is_initialized():
+        raise ValueError(f"parallel.strategy: {name!r} needs a process group; launch with torchrun")
     extra = {k: options[k] for k in EXTRA.get(name, ()) if k in options}
     return strategy_class(name)(world, compression, precision, compile, activation_checkpointing, **extra)
 
