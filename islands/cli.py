@@ -212,6 +212,44 @@ def _eval(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from islands.plan.network import PRESETS, load_network
+    from islands.plan.predict import Planner
+    from islands.plan.report import table, write_plan
+
+    cfg = load_config(args.config, args.overrides)
+    if args.shape:
+        try:
+            shape = tuple(int(s) for s in args.shape.split(","))
+        except ValueError:
+            raise ConfigError(f"--shape: {args.shape!r} is not sizes joined by commas, e.g. 4,32,32") from None
+        classes = args.classes if args.classes is not None else cfg.model.num_classes or 0
+    else:
+        from islands.data import build_data
+
+        source = build_data(cfg.data, cfg.seed)
+        shape, classes = tuple(source.shape), source.num_classes
+    try:
+        every = tuple(int(h) for h in args.sync_every.split(","))
+    except ValueError:
+        raise ConfigError(f"--sync-every: {args.sync_every!r} is not whole numbers joined by commas") from None
+    if args.network == "this-machine":
+        from islands.plan.this_machine import this_machine
+
+        network = this_machine(cfg, args.ranks)
+    elif args.network in PRESETS or Path(args.network).is_file():
+        network = load_network(args.network)
+    else:
+        raise ConfigError(f"--network: {args.network!r} is neither this-machine, a preset ({', '.join(PRESETS)}) "
+                          "nor a file")
+    planner = Planner(cfg, network, shape, classes)
+    rows = planner.rows(every)
+    print(table(rows, planner))
+    data, picture = write_plan(rows, planner, Path(args.out or f"plans/{Path(args.config).stem}-{network.name}"))
+    print(f"plan: {data} and {picture}")
+    return 0
+
+
 def _ensemble_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML config with a ddm section; its run_dir is the ensemble directory")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
@@ -312,6 +350,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the expert of each image's cluster (the paper's recipe) or the full mixture")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_distill)
+
+    p = sub.add_parser("plan", help="predict the training time of a config for every strategy on a cluster",
+                       description="Predict the wall time to train the config's images with ddp, zero1/2, fsdp, "
+                                   "pipeline, local_sgd and diloco at several H, and decentralized experts, on a "
+                                   "described cluster; prints a table, writes OUT.json and OUT.png.")
+    p.add_argument("config", help="a training config")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
+    p.add_argument("--network", required=True,
+                   help="a preset (nvlink, infiniband, 10gbe, datacenters), a YAML file of islands, nodes_per_island, "
+                        "gpus_per_node, gpu_tflops, mfu, overlap and the node/cluster/island links (gbit_s, "
+                        "latency_us), or this-machine (measured: processes on this machine joined by gloo)")
+    p.add_argument("--ranks", type=int, default=2, help="this-machine: processes (default 2)")
+    p.add_argument("--shape", help="the data's shape, e.g. 4,32,32, instead of reading the data")
+    p.add_argument("--classes", type=int, help="with --shape: the number of classes (default model.num_classes)")
+    p.add_argument("--sync-every", default="10,50,100,200", help="the H of the local-update rows")
+    p.add_argument("--out", help="path of the plan without suffix (default plans/CONFIG-NETWORK)")
+    p.set_defaults(func=_plan)
     return parser
 
 

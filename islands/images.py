@@ -79,6 +79,26 @@ def save_curve(x, y, path: Path, xlabel: str, ylabel: str, title: str = "") -> P
     return _save_figure(fig, path)
 
 
+def save_bars(labels: list[str], stacks: dict, path: Path, xlabel: str, title: str = "", log: bool = True) -> Path:
+    """Horizontal bars, one per label, each the stack of `stacks` ({part: values}) end to end."""
+    fig, ax = _pyplot().subplots(figsize=(7, 0.32 * len(labels) + 1.2), dpi=100)
+    left = np.zeros(len(labels))
+    for part, values in stacks.items():
+        ax.barh(labels, values, left=left, label=part)
+        left = left + np.asarray(values, dtype=float)
+    if log:
+        ax.set_xscale("log")
+        smallest = [v for values in stacks.values() for v in values if v > 0]
+        if smallest:  # so that the first part of every bar shows
+            ax.set_xlim(left=min(smallest) / 3)
+    ax.invert_yaxis()
+    ax.legend(fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.grid(alpha=0.3, axis="x")
+    ax.set_title(title, fontsize=9)
+    return _save_figure(fig, path)
+
+
 def save_scatter(x: torch.Tensor, path: Path, reference: torch.Tensor | None = None, title: str = "") -> Path:
     """First two coordinates of vector samples, over reference data in grey."""
     fig, ax = _pyplot().subplots(figsize=(5, 5), dpi=100)

@@ -28,6 +28,7 @@ from islands.data.loader import stream_loader
 from islands.data.sources import build_source
 from islands.errors import TrainingStopped
 from islands.nets import build_network
+from islands.parallel.costs import bytes_per_step
 from islands.parallel.ledger import bytes_sent
 from islands.rundir import checkpoint_dir, latest_checkpoint, list_checkpoints, load_weights, read_state
 from islands.train.checkpoint import adam_state, read_sharded
@@ -38,6 +39,7 @@ from islands.trainer import train
 from islands.trainer.ranges import tstage_config
 
 TIMEOUT_S = 240
+NODE_OF_TWO = {"gpus_per_node": 2, "gpu_tflops": 1.0, "node": {"gbit_s": 10.0, "latency_us": 10.0}}  # islands plan
 
 
 def free_port() -> int:
@@ -46,15 +48,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, config: dict, tmp_path, *overrides: str,
-             extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    path = tmp_path / f"config-{nproc}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", *extra,
-           "-m", "islands", "train", str(path), *overrides, "--quiet"]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+def on_ranks(nproc: int, config: dict, tmp_path, *overrides: str) -> subprocess.CompletedProcess:
+    """`islands train` on `nproc` ranks started as torchrun starts them (launch_ranks), as one result: the first
+    failing rank's status, every rank's output. Without torchrun's agent, whose own start (a torch import) cost
+    about 5 s a launch here; the tests of restarts and killed ranks use the real torchrun."""
+    ranks = launch_ranks(nproc, config, tmp_path, *overrides)
+    status = next((r.returncode for r in ranks if r.returncode != 0), 0)
+    return subprocess.CompletedProcess([r.args for r in ranks], status, "".join(r.stdout for r in ranks),
+                                       "".join(r.stderr for r in ranks))
 
 
 def relative_difference(a: dict, b: dict) -> float:
@@ -88,27 +89,11 @@ def reference(tmp_path):
 
 
 def predicted_bytes(strategy: str, accumulate: int, cfg: dict, world: int = 2) -> dict:
-    """Bytes per optimizer step per rank, by collective, from the parameter sizes and the ring algorithm.
-
-    FSDP shards every parameter along dim 0, padded to a multiple of the world size; a block is gathered
-    in forward and again in backward (fsdp) or once per micro-batch (zero2), the root once, and every
-    unit's gradients are reduce-scattered once per step."""
-    net = build_network(validate(cfg).model, (2,), 3)
-    plain = 4 * sum(p.numel() for p in net.parameters())
-    if strategy in ("ddp", "zero1"):
-        sent = {"all_reduce": bytes_sent("all_reduce", plain, world)}
-        if strategy == "zero1":
-            sent["broadcast"] = bytes_sent("broadcast", plain, world)
-        return sent
-
-    def padded(params):
-        return 4 * sum(-(-p.shape[0] // world) * world * p[0].numel() for p in params)
-
-    blocks = padded([p for b in net.blocks for p in b.parameters()])
-    everything = padded([p for n, p in net.named_parameters() if not n.startswith("blocks.")]) + blocks
-    gathered = everything + (blocks if strategy == "fsdp" else 0)
-    return {"all_gather": bytes_sent("all_gather", accumulate * gathered, world),
-            "reduce_scatter": bytes_sent("reduce_scatter", everything, world)}
+    """Bytes per optimizer step per rank, by collective, from islands.parallel.costs: the formulas `islands plan`
+    prices, checked here against what the ledger counted."""
+    parallel = validate(cfg).parallel
+    return bytes_per_step(strategy, build_network(validate(cfg).model, (2,), 3), world, accumulate,
+                          parallel.compression, validate(cfg).train.precision)
 
 
 @pytest.mark.parametrize("strategy,accumulate,checkpointing", [
@@ -118,7 +103,7 @@ def test_every_strategy_on_two_ranks_follows_the_single_process_trajectory(
         tmp_path, reference, strategy, accumulate, checkpointing):
     cfg, single = reference
     cfg = {**cfg, "run_dir": str(tmp_path / strategy)}
-    result = torchrun(2, cfg, tmp_path, f"parallel.strategy={strategy}", f"train.accumulate={accumulate}",
+    result = on_ranks(2, cfg, tmp_path, f"parallel.strategy={strategy}", f"train.accumulate={accumulate}",
                       f"train.activation_checkpointing={str(checkpointing).lower()}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert relative_difference(single, final_weights(cfg["run_dir"])) < 1e-5
@@ -134,7 +119,7 @@ def test_every_strategy_on_two_ranks_follows_the_single_process_trajectory(
 def test_fsdp_in_bf16_gathers_bf16_weights_reduces_fp32_gradients_and_keeps_fp32_masters(tmp_path, reference):
     cfg, single = reference
     cfg = {**cfg, "run_dir": str(tmp_path / "bf16")}
-    result = torchrun(2, cfg, tmp_path, "parallel.strategy=fsdp", "train.precision=bf16")
+    result = on_ranks(2, cfg, tmp_path, "parallel.strategy=fsdp", "train.precision=bf16")
     assert result.returncode == 0, result.stderr[-3000:]
     fp32 = predicted_bytes("fsdp", 1, cfg)
     summary = json.loads((tmp_path / "bf16" / "communication.json").read_text())
@@ -181,7 +166,7 @@ def two_rank_run(tmp_path_factory):
         if (strategy, compression) not in runs:
             root = tmp_path_factory.mktemp(f"{strategy}-{compression}")
             cfg = exact_config(root / "run")
-            result = torchrun(2, cfg, root, *layout(strategy), f"parallel.compression={compression}")
+            result = on_ranks(2, cfg, root, *layout(strategy), f"parallel.compression={compression}")
             assert result.returncode == 0, result.stderr[-3000:]
             runs[strategy, compression] = Path(cfg["run_dir"])
         return runs[strategy, compression]
@@ -227,7 +212,7 @@ def test_a_two_rank_fsdp_run_resumes_on_one_process_bit_identically(tmp_path, ex
     """Saved as shards by 2 ranks half way, resumed by 1 process with 2 micro-batches: it must end exactly
     where the 1-process run that never stopped ended (weights, EMA, optimizer state and data position)."""
     cfg = exact_config(tmp_path / "moved", images=320)
-    result = torchrun(2, cfg, tmp_path, "parallel.strategy=fsdp")
+    result = on_ranks(2, cfg, tmp_path, "parallel.strategy=fsdp")
     assert result.returncode == 0, result.stderr[-3000:]
     assert [int(p.name) for p in list_checkpoints(cfg["run_dir"])] == [320]
     cfg["train"].update(images=640, accumulate=2)
@@ -244,7 +229,7 @@ def test_a_one_process_run_resumes_on_two_ranks_bit_identically(tmp_path, two_ra
     torch.set_num_threads(1)
     train(validate(moved), progress=False)
     moved["train"].update(images=640, accumulate=1)
-    result = torchrun(2, moved, tmp_path, *layout(strategy))
+    result = on_ranks(2, moved, tmp_path, *layout(strategy))
     assert result.returncode == 0, result.stderr[-3000:]
     assert exported(moved["run_dir"]) == exported(straight)
 
@@ -263,7 +248,7 @@ def test_a_two_rank_checkpoint_of_every_strategy_resumes_on_one_process_bit_iden
 def test_an_fsdp_checkpoint_resumes_under_ddp_bit_identically(tmp_path, two_rank_run, exact_reference):
     """Sharded parameters and moments saved, replicated ones loaded: the same 2 ranks, another strategy."""
     moved = cut_back(two_rank_run("fsdp"), tmp_path / "moved", 320)
-    result = torchrun(2, exact_config(moved), tmp_path, "parallel.strategy=ddp")
+    result = on_ranks(2, exact_config(moved), tmp_path, "parallel.strategy=ddp")
     assert result.returncode == 0, result.stderr[-3000:]
     assert exported(moved) == exported(exact_reference)
 
@@ -292,7 +277,7 @@ def test_three_ranks_with_uneven_padded_shards_resume_onto_and_from_one_process(
     torch.set_num_threads(1)
     single = train(validate(config(tmp_path / "single", accumulate=3)), progress=False)
     onto = cut_back(single, tmp_path / "onto", 240)
-    result = torchrun(3, config(onto), tmp_path, "parallel.strategy=fsdp")
+    result = on_ranks(3, config(onto), tmp_path, "parallel.strategy=fsdp")
     assert result.returncode == 0, result.stderr[-3000:]
     assert [int(p.name) for p in list_checkpoints(onto)] == [240, 480, 720, 960]
     back = cut_back(onto, tmp_path / "back", 720)
@@ -330,9 +315,24 @@ def test_gradient_compression_under_sharding_halves_the_gradient_traffic_and_sta
         assert exported(run_dir) == exported(two_rank_run("zero1", "bf16"))
 
 
+def test_islands_plan_prices_the_bytes_each_strategy_booked(two_rank_run, tmp_path):
+    runs = {s: two_rank_run(s) for s in ("ddp", "zero1", "zero2", "fsdp")}
+    config, network = tmp_path / "config.yaml", tmp_path / "node.yaml"
+    config.write_text(yaml.safe_dump(exact_config(tmp_path / "run")))
+    network.write_text(yaml.safe_dump(NODE_OF_TWO))
+    from islands.cli import main
+
+    assert main(["plan", str(config), "--network", str(network), "--out", str(tmp_path / "plan")]) == 0
+    planned = {r["strategy"]: r for r in json.loads((tmp_path / "plan.json").read_text())["rows"]}
+    assert (tmp_path / "plan.png").stat().st_size > 0
+    for strategy, run_dir in runs.items():
+        booked = json.loads((run_dir / "communication.json").read_text())["bytes_per_step"]
+        assert planned[strategy]["bytes_per_step"] == pytest.approx(booked), strategy
+
+
 def test_a_compressed_zero1_checkpoint_resumes_under_compressed_fsdp_bit_identically(tmp_path, two_rank_run):
     moved = cut_back(two_rank_run("zero1", "bf16"), tmp_path / "moved", 320)
-    result = torchrun(2, exact_config(moved), tmp_path, "parallel.strategy=fsdp", "parallel.compression=bf16")
+    result = on_ranks(2, exact_config(moved), tmp_path, "parallel.strategy=fsdp", "parallel.compression=bf16")
     assert result.returncode == 0, result.stderr[-3000:]
     assert exported(moved) == exported(two_rank_run("fsdp", "bf16"))
 
@@ -341,7 +341,7 @@ def test_a_compressed_zero1_checkpoint_resumes_under_compressed_fsdp_bit_identic
 def test_ddp_gradient_compression_halves_the_traffic_and_stays_on_course(tmp_path, reference, wire, ratio):
     cfg, single = reference
     cfg = {**cfg, "run_dir": str(tmp_path / wire)}
-    result = torchrun(2, cfg, tmp_path, "parallel.strategy=ddp", f"parallel.compression={wire}")
+    result = on_ranks(2, cfg, tmp_path, "parallel.strategy=ddp", f"parallel.compression={wire}")
     assert result.returncode == 0, result.stderr[-3000:]
     grad_bytes = 4 * sum(t.numel() for t in single.values())
     for record in read_metrics(cfg["run_dir"]):
@@ -412,7 +412,7 @@ def test_torchrun_restart_after_a_killed_rank_resumes_from_the_last_checkpoint(t
         return cfg
 
     straight = config("straight")
-    assert torchrun(2, straight, tmp_path).returncode == 0
+    assert on_ranks(2, straight, tmp_path).returncode == 0
     restarted = config("restarted")
     path = tmp_path / "restarted.yaml"
     path.write_text(yaml.safe_dump(restarted))
@@ -681,7 +681,7 @@ def test_an_expert_of_a_decentralized_model_trains_under_torchrun_with_sharding(
     assert main(["partition", single, "--quiet"]) == 0  # the same partition: it is deterministic
     torch.set_num_threads(1)
     assert main(["train", single, "expert=0", "--quiet"]) == 0
-    result = torchrun(2, cfg, tmp_path, "expert=0", "parallel.strategy=fsdp")
+    result = on_ranks(2, cfg, tmp_path, "expert=0", "parallel.strategy=fsdp")
     assert result.returncode == 0, result.stderr[-3000:]
     sharded = final_weights(tmp_path / "ensemble" / "experts" / "0")
     assert relative_difference(final_weights(tmp_path / "single" / "experts" / "0"), sharded) < 1e-5

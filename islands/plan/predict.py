@@ -1,0 +1,202 @@
+"""How long a config's training takes on a described cluster, for every strategy: compute from the run's counted
+FLOPs, traffic from the ledger's own formulas (islands/parallel/costs.py), time on the wire from a ring model.
+
+The model, stated once:
+- compute per optimizer step = the images one accelerator processes x FLOPs per image (torch's flop counter on
+  one training step) / (peak x MFU);
+- a collective over W ranks is a ring of W - 1 steps (2 (W - 1) for an all-reduce), each paying the slowest link's
+  latency, and the bytes the ledger books for it cross that link at its bandwidth, shared by the rings crossing it
+  at once; an all-reduce takes a tree instead (2 log2 W latencies) when that is faster, as NCCL chooses; a
+  collective is issued once per DDP bucket (25 MiB) or FSDP unit;
+- gradient traffic (ddp, zero, fsdp, pipeline) hides behind `overlap` of the backward pass (2/3 of compute); the
+  local updates' exchange and ZeRO-1's parameter broadcast do not overlap (Islands issues them after the step);
+- activation memory and the data loader are not modelled; state memory is weights, gradients and AdamW's moments.
+"""
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from islands.nets import build_network
+from islands.parallel.costs import LOCAL, bytes_per_step, carry_bytes, dense_bytes
+from islands.parallel.ledger import bytes_sent
+from islands.parallel.pipeline import balanced_cut, block_costs
+from islands.plan.network import Link, Network
+from islands.train.flops import flops_per_image
+from islands.train.objectives import build_objective
+
+BUCKET = 25 * 2**20  # DDP's default bucket
+SYNC_EVERY = (10, 50, 100, 200)
+ALL_REDUCES = ("all_reduce", "outer_all_reduce")  # 2 (W - 1) ring steps; the other collectives W - 1
+BLOCKING = ("outer_all_reduce", "broadcast")  # issued after the step, nothing to hide behind
+
+
+@dataclass
+class Row:
+    strategy: str
+    layout: str  # how the accelerators are used
+    bytes_per_step: dict = field(default_factory=dict)  # per accelerator, by ledger collective
+    compute_s: float = 0.0  # per optimizer step
+    comm_s: float = 0.0  # communication per step, all of it
+    exposed_s: float = 0.0  # the part not hidden behind compute
+    step_s: float = 0.0
+    steps: int = 0
+    hours: float = 0.0
+    state_gib: float = 0.0  # weights, gradients, AdamW moments per accelerator
+    slowest: str = ""  # the slowest link the traffic crosses
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def collective_seconds(kind: str, sent: float, ranks: int, link: Link, sharing: int = 1, calls: int = 1) -> float:
+    """Seconds for a collective of which each of `ranks` ranks sends `sent` bytes (the ledger's count), over
+    `link` shared by `sharing` rings, issued as `calls` messages of equal size."""
+    if ranks <= 1 or sent <= 0:
+        return 0.0
+    steps = 2 * (ranks - 1) if kind in ALL_REDUCES else ranks - 1
+    ring = calls * steps * link.latency_s + sent * sharing / link.bytes_s
+    if kind not in ALL_REDUCES:
+        return ring
+    payload = sent / bytes_sent(kind, 1, ranks)  # a tree moves the payload up and down once
+    return min(ring, calls * 2 * math.ceil(math.log2(ranks)) * link.latency_s + 2 * payload * sharing / link.bytes_s)
+
+
+class Planner:
+    """The prediction for one config (train.images at the global train.batch_size) on one network, for data of
+    `shape` with `num_classes` classes; the network is built on the meta device, so any size costs nothing."""
+
+    def __init__(self, cfg, network: Network, shape: tuple, num_classes: int):
+        self.cfg, self.net_desc, self.shape, self.num_classes = cfg, network, tuple(shape), num_classes
+        self.W = network.world
+        self.batch, self.images = cfg.train.batch_size, cfg.train.images
+        self.steps = math.ceil(self.images / self.batch)
+        with torch.device("meta"):
+            self.net = build_network(cfg.model, self.shape, num_classes)
+        self.params = sum(p.numel() for p in self.net.parameters())
+        micro = max(1, self.batch // self.W // cfg.train.accumulate)
+        self.flops = flops_per_image(cfg.model, self.shape, num_classes, build_objective(cfg, num_classes), micro,
+                                     checkpointing=cfg.train.activation_checkpointing)
+        self.rate = network.gpu_tflops * 1e12 * network.mfu
+
+    # --- pieces ---
+    def compute_s(self, images_per_gpu: float) -> float:
+        return images_per_gpu * self.flops / self.rate
+
+    def traffic_s(self, sent: dict, ranks: int, sharing: int = 1, calls: dict | None = None,
+                  span: int | None = None) -> tuple:
+        """(hideable seconds, blocking seconds, slowest link) of one step's `sent` bytes over a group of `ranks`
+        whose members lie within `span` consecutive ranks (default: `ranks`, a contiguous group)."""
+        where, link = self.net_desc.slowest(span or ranks)
+        hide = block = 0.0
+        for kind, b in sent.items():
+            seconds = collective_seconds(kind, b, ranks, link, sharing, (calls or {}).get(kind, 1))
+            if kind in BLOCKING:
+                block += seconds
+            else:
+                hide += seconds
+        return hide, block, where if ranks > 1 else "-"
+
+    def finish(self, row: Row, compute: float, hide: float, block: float, extra: float = 1.0) -> Row:
+        """Fill in the row's times: `extra` scales the whole run (the router's share for the experts)."""
+        row.compute_s = compute
+        row.comm_s = hide + block
+        row.exposed_s = max(0.0, hide - self.net_desc.overlap * compute * 2 / 3) + block
+        row.step_s = compute + row.exposed_s
+        row.steps = self.steps
+        row.hours = row.steps * row.step_s * extra / 3600
+        return row
+
+    def state_gib(self, per_param_bytes: float) -> float:
+        return self.params * per_param_bytes / 2**30
+
+    # --- strategies ---
+    def dense(self, strategy: str) -> Row:
+        cfg, W = self.cfg, self.W
+        sent = bytes_per_step(strategy, self.net, W, cfg.train.accumulate, cfg.parallel.compression,
+                              cfg.train.precision)
+        units = len(self.net.blocks) + 1 if hasattr(self.net, "blocks") else 1
+        calls = {"all_reduce": max(1, math.ceil(dense_bytes(self.net.parameters()) / BUCKET)),
+                 "broadcast": len(list(self.net.parameters())),
+                 "all_gather": units * cfg.train.accumulate * (2 if strategy == "fsdp" else 1), "reduce_scatter": units}
+        hide, block, where = self.traffic_s(sent, W, calls=calls)
+        state = {"ddp": 16, "zero1": 8 + 8 / W, "zero2": 4 + 12 / W, "fsdp": 16 / W}[strategy]
+        row = Row(strategy, f"{W} ranks", sent, state_gib=self.state_gib(state), slowest=where)
+        return self.finish(row, self.compute_s(self.batch / W), hide, block)
+
+    def local(self, strategy: str, every: int) -> Row:
+        """Each island one replica (DDP inside it), or each accelerator one when there is one island."""
+        n = self.net_desc
+        replicas = n.islands if n.islands > 1 else self.W
+        per = self.W // replicas
+        compression = "bf16" if strategy == "diloco" else "none"
+        sent = bytes_per_step(strategy, self.net, self.W, 1, compression, self.cfg.train.precision, every, replicas)
+        inner = {k: v for k, v in sent.items() if k == "all_reduce"}
+        # one exchange every H steps: each rank all-reduces its piece with its counterparts in the other replicas
+        # (`per` rings cross the slowest link at once), then the group gathers the pieces on its own network
+        _, block, where = self.traffic_s({"outer_all_reduce": sent["outer_all_reduce"] * every}, replicas,
+                                         sharing=per, span=self.W)
+        if per > 1:
+            block += collective_seconds("all_gather", sent["all_gather"] * every, per, n.slowest(per)[1])
+        block /= every
+        calls = {"all_reduce": max(1, math.ceil(dense_bytes(self.net.parameters()) / BUCKET))}
+        hide, _, _ = self.traffic_s(inner, per, calls=calls)
+        state = 16 + (8 if strategy == "diloco" else 0)  # diloco keeps the anchor and the outer momentum
+        name = f"{strategy} H={every}" + (" bf16" if compression == "bf16" else "")
+        row = Row(name, f"{replicas} replicas x {per}", sent, state_gib=self.state_gib(state), slowest=where)
+        return self.finish(row, self.compute_s(self.batch / self.W), hide, block)
+
+    def pipeline(self) -> Row | None:
+        """The stages on the accelerators of a node (1F1B), data parallel across nodes and islands."""
+        n, cfg = self.net_desc, self.cfg
+        if not hasattr(self.net, "blocks"):
+            return None
+        stages = min(n.gpus_per_node, len(self.net.blocks))
+        if stages < 2:
+            return None
+        data = self.W // stages
+        micro = max(cfg.parallel.microbatches, stages) if cfg.parallel.strategy == "pipeline" else 2 * stages
+        example = (torch.zeros(1, *self.shape, device="meta"), torch.full((1,), 0.5, device="meta"),
+                   torch.zeros(1, dtype=torch.long, device="meta") if self.num_classes else None)
+        costs = block_costs(self.net, example)
+        cuts = balanced_cut(costs, stages)
+        share = max(sum(costs[i] for i in r) for r in cuts) / sum(costs)
+        per_copy = self.batch / data
+        carries = [carry_bytes(self.net, 1, r.stop) * per_copy for r in cuts[:-1]]
+        sent = {"pipeline_activations": sum(carries) / stages, "pipeline_gradients": sum(carries) / stages}
+        biggest = max(dense_bytes([p for i in r for p in self.net.blocks[i].parameters()]) for r in cuts)
+        if data > 1:
+            sent["all_reduce"] = bytes_sent("all_reduce", biggest, data)
+        bubble = (stages - 1) / (micro + stages - 1)
+        compute = self.compute_s(per_copy) * share / (1 - bubble)
+        # the busiest stage sends its activations forward and the previous cut's gradients back, a message per
+        # micro-batch each way, beside the other micro-batches' compute (1F1B)
+        busiest = max(a + b for a, b in zip([0.0, *carries], [*carries, 0.0], strict=True))
+        p2p = 2 * micro * n.node.latency_s + busiest / n.node.bytes_s
+        hide, block, where = self.traffic_s({k: v for k, v in sent.items() if k == "all_reduce"}, data,
+                                            sharing=stages, span=self.W) if data > 1 else (0.0, 0.0, "node")
+        row = Row("pipeline", f"{stages} stages x {data}, {micro} micro-batches", sent,
+                  state_gib=biggest / 4 * 16 / 2**30, slowest=where)
+        return self.finish(row, compute, hide + p2p, block)
+
+    def experts(self) -> Row:
+        """Decentralized experts: one per island (or per node, or per accelerator), no traffic between them;
+        each trains at batch / K for the run's steps with DDP inside its island, then the router's share."""
+        n = self.net_desc
+        k = n.islands if n.islands > 1 else n.nodes_per_island if n.nodes_per_island > 1 else self.W
+        per = self.W // k
+        sent = bytes_per_step("ddp", self.net, per) if per > 1 else {}
+        calls = {"all_reduce": max(1, math.ceil(dense_bytes(self.net.parameters()) / BUCKET))}
+        hide, block, where = self.traffic_s(sent, per, calls=calls)
+        row = Row("ddm experts", f"{k} experts x {per}", sent, state_gib=self.state_gib(16), slowest=where)
+        return self.finish(row, self.compute_s(self.batch / self.W), hide, block,
+                           extra=1 + self.cfg.ddm.router.flops_fraction)
+
+    def rows(self, sync_every=SYNC_EVERY) -> list[Row]:
+        rows = [self.dense(s) for s in ("ddp", "zero1", "zero2", "fsdp")]
+        if (pipe := self.pipeline()) is not None:
+            rows.append(pipe)
+        for strategy in LOCAL:
+            rows += [self.local(strategy, h) for h in sync_every]
+        return [*rows, self.experts()]
