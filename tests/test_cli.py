@@ -125,7 +125,7 @@ def test_sample_writes_npz_and_grid(tmp_path, capsys, image_npz):
 def test_every_subcommand_explains_every_option():
     parser = build_parser()
     subparsers = parser._subparsers._group_actions[0].choices
-    assert set(subparsers) == {"train", "sample", "eval", "partition", "ddm", "distill"}
+    assert set(subparsers) == {"train", "sample", "eval", "partition", "ddm", "distill", "plan"}
     for name, sub in subparsers.items():
         text = sub.format_help()
         for action in sub._actions:
