@@ -213,7 +213,7 @@ def _eval(args) -> int:
 
 
 def _plan(args) -> int:
-    from islands.plan.network import PRESETS, load_network
+    from islands.plan.network import load_network
     from islands.plan.predict import Planner
     from islands.plan.report import table, write_plan
 
@@ -237,11 +237,8 @@ def _plan(args) -> int:
         from islands.plan.this_machine import this_machine
 
         network = this_machine(cfg, args.ranks)
-    elif args.network in PRESETS or Path(args.network).is_file():
-        network = load_network(args.network)
     else:
-        raise ConfigError(f"--network: {args.network!r} is neither this-machine, a preset ({', '.join(PRESETS)}) "
-                          "nor a file")
+        network = load_network(args.network)
     planner = Planner(cfg, network, shape, classes)
     rows = planner.rows(every)
     print(table(rows, planner))

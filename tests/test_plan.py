@@ -64,11 +64,13 @@ def test_dit_xl_2_has_the_papers_size_and_a_datacentre_link_makes_local_updates_
     ({**NODE_OF_TWO, "gpus_per_node": 0}, "gpus_per_node"),
     ({**NODE_OF_TWO, "nodes_per_island": 2}, "cluster: a link is needed"),
     ({**NODE_OF_TWO, "bandwidth": 3}, "bandwidth"),
+    (None, "is neither this-machine, a preset"),
 ])
 def test_a_bad_network_file_is_one_line_naming_the_key(tmp_path, capsys, network, message):
     config, path = tmp_path / "config.yaml", tmp_path / "net.yaml"
     config.write_text(yaml.safe_dump(exact_config(tmp_path / "run")))
-    path.write_text(yaml.safe_dump(network))
+    if network is not None:  # else: a name that is neither a preset nor a file
+        path.write_text(yaml.safe_dump(network))
     assert main(["plan", str(config), "--network", str(path), "--out", str(tmp_path / "plan")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err and "--network" in err, err

@@ -83,7 +83,8 @@ def load_network(name_or_path: str) -> Network:
         return Network(**PRESETS[name_or_path])
     path = Path(name_or_path)
     if not path.is_file():
-        raise ConfigError(f"--network: {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
+        raise ConfigError(f"--network: {name_or_path!r} is neither this-machine, a preset ({', '.join(PRESETS)}) "
+                          "nor a file")
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
