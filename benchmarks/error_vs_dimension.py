@@ -29,7 +29,7 @@ import yaml
 
 from benchmarks.common import FIGURES, save, table
 from islands.eval.evaluate import evaluate_target
-from islands.plan.this_machine import _free_port
+from islands.parallel.launch import free_port
 
 DIMENSIONS = (2, 8, 32, 128)
 BASE = {"d": 32, "H": 10, "lr": 1e-3}
@@ -62,7 +62,7 @@ def trained(root: Path, d: int, every: int, lr: float) -> dict:
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config(root / name, d, every, lr)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "-m", "islands", "train", str(path), "--quiet"]
+           f"--master_port={free_port()}", "-m", "islands", "train", str(path), "--quiet"]
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]

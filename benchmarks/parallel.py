@@ -17,7 +17,6 @@ import json
 import os
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import torch
 import yaml
 
 from benchmarks.common import measure, save, table
+from islands.parallel.launch import free_port
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 MEMORY_MODEL = {"arch": "dit", "preset": "S", "patch_size": 2, "num_classes": 1000}
@@ -40,15 +40,9 @@ MIB = 2**20
 TIMEOUT_S = 600
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}", *args]
+            f"--master_port={free_port()}", *args]
 
 
 def _local_bytes(tensors) -> int:

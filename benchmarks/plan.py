@@ -23,10 +23,11 @@ import yaml
 
 from benchmarks.common import FIGURES, UNET, save, table
 from islands.config import validate
+from islands.parallel.launch import free_port
 from islands.plan.network import load_network
 from islands.plan.predict import Planner
 from islands.plan.report import duration, write_plan
-from islands.plan.this_machine import _free_port, this_machine
+from islands.plan.this_machine import this_machine
 from islands.train.logbook import read_metrics
 
 STEPS, WINDOW, BATCH = 60, 10, 64
@@ -52,7 +53,7 @@ def measured_step(cfg: dict, root: Path, strategy: str, overrides: list[str]) ->
     path = root / f"{strategy.replace(' ', '_')}.yaml"
     path.write_text(yaml.safe_dump(run))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "-m", "islands", "train", str(path),
+           f"--master_port={free_port()}", "-m", "islands", "train", str(path),
            f"parallel.strategy={strategy.split()[0]}", *overrides, "--quiet"]
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=900)

@@ -11,7 +11,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from islands.data.sources import build_source
 from islands.errors import TrainingStopped
 from islands.nets import build_network
 from islands.parallel.costs import bytes_per_step
+from islands.parallel.launch import free_port
 from islands.parallel.ledger import bytes_sent
 from islands.rundir import checkpoint_dir, latest_checkpoint, list_checkpoints, load_weights, read_state
 from islands.train.checkpoint import adam_state, read_sharded
@@ -40,12 +40,6 @@ from islands.trainer.ranges import tstage_config
 
 TIMEOUT_S = 240
 NODE_OF_TWO = {"gpus_per_node": 2, "gpu_tflops": 1.0, "node": {"gbit_s": 10.0, "latency_us": 10.0}}  # islands plan
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def on_ranks(nproc: int, config: dict, tmp_path, *overrides: str) -> subprocess.CompletedProcess:

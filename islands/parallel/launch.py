@@ -6,6 +6,7 @@ them the run is a single process and nothing is initialised.
 
 import gc
 import os
+import socket
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -117,6 +118,13 @@ def warn_if_bf16_is_slow(key: str, precision: str, device: torch.device | str) -
     if precision == "bf16" and not bf16_is_native(device):
         warnings.warn(IslandsWarning(f"{key}: bf16 is emulated on this CPU (no AVX512-BF16 or AMX), about 10x slower "
                                      f"than fp32; set {key}=fp32"), stacklevel=2)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a rendezvous this process starts (tests, probes, benchmarks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def close_world() -> None:

@@ -154,7 +154,7 @@ class PipelineStrategy(Strategy):
             raise ValueError(f"parallel.strategy: pipeline cuts networks with blocks (unet, dit, mlp), "
                              f"not {type(net).__name__}")
         total = self.stages * self.virtual
-        cuts = balanced_cut(block_costs(net, _example(net)), total)
+        cuts = balanced_cut(block_costs(net, example_input(net)), total)
         mine = [s for s in range(total) if s % self.stages == self.pipe_rank]
         owner_of_block = {i: s % self.stages for s, r in enumerate(cuts) for i in r}
         net = super().wrap(net)  # activation checkpointing and compilation, per block
@@ -229,7 +229,7 @@ class PipelineStrategy(Strategy):
         return whole if self.pipe_rank == 0 else {k: v.detach().cpu() for k, v in state.items()}
 
 
-def _example(net: nn.Module) -> tuple:
+def example_input(net: nn.Module) -> tuple:
     """One input the network accepts, to count its blocks' FLOPs."""
     device = next(net.parameters()).device
     cond = torch.zeros(1, dtype=torch.long, device=device) if net.num_classes else None

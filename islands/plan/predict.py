@@ -21,7 +21,7 @@ import torch
 from islands.nets import build_network
 from islands.parallel.costs import LOCAL, bytes_per_step, carry_bytes, dense_bytes
 from islands.parallel.ledger import bytes_sent
-from islands.parallel.pipeline import balanced_cut, block_costs
+from islands.parallel.pipeline import balanced_cut, block_costs, example_input
 from islands.plan.network import Link, Network
 from islands.train.flops import flops_per_image
 from islands.train.objectives import build_objective
@@ -75,6 +75,7 @@ class Planner:
         with torch.device("meta"):
             self.net = build_network(cfg.model, self.shape, num_classes)
         self.params = sum(p.numel() for p in self.net.parameters())
+        self.buckets = max(1, math.ceil(dense_bytes(self.net.parameters()) / BUCKET))  # DDP's all-reduces a step
         micro = max(1, self.batch // self.W // cfg.train.accumulate)
         self.flops = flops_per_image(cfg.model, self.shape, num_classes, build_objective(cfg, num_classes), micro,
                                      checkpointing=cfg.train.activation_checkpointing)
@@ -117,8 +118,7 @@ class Planner:
         sent = bytes_per_step(strategy, self.net, W, cfg.train.accumulate, cfg.parallel.compression,
                               cfg.train.precision)
         units = len(self.net.blocks) + 1 if hasattr(self.net, "blocks") else 1
-        calls = {"all_reduce": max(1, math.ceil(dense_bytes(self.net.parameters()) / BUCKET)),
-                 "broadcast": len(list(self.net.parameters())),
+        calls = {"all_reduce": self.buckets, "broadcast": len(list(self.net.parameters())),
                  "all_gather": units * cfg.train.accumulate * (2 if strategy == "fsdp" else 1), "reduce_scatter": units}
         hide, block, where = self.traffic_s(sent, W, calls=calls)
         state = {"ddp": 16, "zero1": 8 + 8 / W, "zero2": 4 + 12 / W, "fsdp": 16 / W}[strategy]
@@ -140,8 +140,7 @@ class Planner:
         if per > 1:
             block += collective_seconds("all_gather", sent["all_gather"] * every, per, n.slowest(per)[1])
         block /= every
-        calls = {"all_reduce": max(1, math.ceil(dense_bytes(self.net.parameters()) / BUCKET))}
-        hide, _, _ = self.traffic_s(inner, per, calls=calls)
+        hide, _, _ = self.traffic_s(inner, per, calls={"all_reduce": self.buckets})
         state = 16 + (8 if strategy == "diloco" else 0)  # diloco keeps the anchor and the outer momentum
         name = f"{strategy} H={every}" + (" bf16" if compression == "bf16" else "")
         row = Row(name, f"{replicas} replicas x {per}", sent, state_gib=self.state_gib(state), slowest=where)
@@ -157,9 +156,7 @@ class Planner:
             return None
         data = self.W // stages
         micro = max(cfg.parallel.microbatches, stages) if cfg.parallel.strategy == "pipeline" else 2 * stages
-        example = (torch.zeros(1, *self.shape, device="meta"), torch.full((1,), 0.5, device="meta"),
-                   torch.zeros(1, dtype=torch.long, device="meta") if self.num_classes else None)
-        costs = block_costs(self.net, example)
+        costs = block_costs(self.net, example_input(self.net))
         cuts = balanced_cut(costs, stages)
         share = max(sum(costs[i] for i in r) for r in cuts) / sum(costs)
         per_copy = self.batch / data
@@ -187,8 +184,7 @@ class Planner:
         k = n.islands if n.islands > 1 else n.nodes_per_island if n.nodes_per_island > 1 else self.W
         per = self.W // k
         sent = bytes_per_step("ddp", self.net, per) if per > 1 else {}
-        calls = {"all_reduce": max(1, math.ceil(dense_bytes(self.net.parameters()) / BUCKET))}
-        hide, block, where = self.traffic_s(sent, per, calls=calls)
+        hide, block, where = self.traffic_s(sent, per, calls={"all_reduce": self.buckets})
         row = Row("ddm experts", f"{k} experts x {per}", sent, state_gib=self.state_gib(16), slowest=where)
         return self.finish(row, self.compute_s(self.batch / self.W), hide, block,
                            extra=1 + self.cfg.ddm.router.flops_fraction)

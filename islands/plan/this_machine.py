@@ -11,7 +11,6 @@ by the bandwidth a DDP step sees, and nothing overlaps (overlap 0).
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from islands.config import to_dict, validate
+from islands.parallel.launch import free_port
 from islands.plan.network import Link, Network
 from islands.train.logbook import read_metrics
 
@@ -30,18 +30,12 @@ CALIBRATION_STEPS, WINDOW = 120, 10  # optimizer steps of each one-process run; 
 SKIP_FIRST, SKIP_LAST = 4, 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measured_link(ranks: int, timeout_s: float = 120.0) -> dict:
     """Latency (us) and bandwidth (Gbit/s) of gloo's all-reduce between `ranks` local processes."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "probe.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--nnodes=1",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "islands.parallel.probe", str(out)]
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "islands.parallel.probe", str(out)]
         done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                               timeout=timeout_s)
         if done.returncode != 0:
