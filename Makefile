@@ -29,8 +29,11 @@ demo: $(STAMP) datasets
 	$(BIN)/islands ddm configs/mnist5k_ddm.yaml --jobs 2
 	@echo "Ensemble and monolith side by side: runs/mnist5k_ddm/comparison.png (metrics: runs/mnist5k_ddm/comparison.json)"
 
+# Two xdist workers: most multi-process tests wait on process starts and timeouts, which the other worker fills;
+# the timed tests (marked serial) then run alone.
 test: $(STAMP) datasets
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 bench: $(STAMP) datasets
 	$(BIN)/python -m benchmarks

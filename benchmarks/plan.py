@@ -70,8 +70,8 @@ def this_machine_check() -> tuple[list, dict]:
             root.mkdir()
             cfg = config(root / "run", model, data, batch)
             resolved = validate(cfg)
-            network = this_machine(resolved, 2)
             shape = (2,) if data["source"] == "gmm" else (1, 28, 28)
+            network = this_machine(resolved, shape, model["num_classes"], 2)
             planned = {r.strategy: r for r in Planner(resolved, network, shape, model["num_classes"]).rows((10,))}
             print(f"  {name}: this machine measured at {network.gpu_tflops * 1e3:.2f} GFLOP/s a process, gloo "
                   f"all-reduce {network.node.gbit_s:.2f} Gbit/s, {network.node.latency_us:.0f} us", flush=True)

@@ -236,7 +236,7 @@ def _plan(args) -> int:
     if args.network == "this-machine":
         from islands.plan.this_machine import this_machine
 
-        network = this_machine(cfg, args.ranks)
+        network = this_machine(cfg, shape, classes, args.ranks)
     else:
         network = load_network(args.network)
     planner = Planner(cfg, network, shape, classes)

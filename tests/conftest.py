@@ -10,7 +10,7 @@ import yaml
 
 from islands.config import validate
 
-torch.set_num_threads(2)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)  # two xdist workers share the 2 cores
 
 
 def random_images(folder):

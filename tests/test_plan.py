@@ -77,6 +77,7 @@ def test_a_bad_network_file_is_one_line_naming_the_key(tmp_path, capsys, network
     assert not (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.serial  # timed: run alone, after the tests that share the cores (Makefile)
 def test_the_prediction_for_two_gloo_ranks_on_this_machine_is_within_30_percent_of_a_measured_run(tmp_path):
     """The model is given what it would be given for any cluster, measured here: one process's FLOP/s at a rank's
     batch and gloo's all-reduce latency and bandwidth. It is not fitted to the 2-rank run it predicts."""

@@ -4,9 +4,9 @@ Processes on one machine are the accelerators of one node, joined by loopback gl
 nothing is fitted to the run being predicted: the FLOP/s one process sustains (short one-process runs of the
 config at the batch one rank would get, one per rank at once, each on one thread as torchrun gives each rank; so
 the MFU is 1), and the latency and bandwidth of gloo's all-reduce between `ranks` processes
-(islands/parallel/probe.py): alone, and inside a DDP step of a linear layer (not the config's network), where
-gloo on a CPU was measured 2 to 3 times slower than alone, taking the cores the compute needs. The link is described
-by the bandwidth a DDP step sees, and nothing overlaps (overlap 0).
+(islands/parallel/probe.py): alone, and inside a bare DDP step of the config's network at a rank's batch (no data,
+no trainer), where gloo on a CPU was measured 2 to 3 times slower than alone, taking the cores the compute needs.
+The link is described by the bandwidth a DDP step sees, and nothing overlaps (overlap 0).
 """
 
 import json
@@ -30,12 +30,15 @@ CALIBRATION_STEPS, WINDOW = 120, 10  # optimizer steps of each one-process run; 
 SKIP_FIRST, SKIP_LAST = 4, 1
 
 
-def measured_link(ranks: int, timeout_s: float = 120.0) -> dict:
-    """Latency (us) and bandwidth (Gbit/s) of gloo's all-reduce between `ranks` local processes."""
+def measured_link(ranks: int, network: dict | None = None, timeout_s: float = 120.0) -> dict:
+    """Latency (us) and bandwidth (Gbit/s) of gloo's all-reduce between `ranks` local processes, alone and inside
+    a DDP step of the `network` described (probe.py's NETWORK.json)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "probe.json"
+        out, described = Path(tmp) / "probe.json", Path(tmp) / "network.json"
+        described.write_text(json.dumps(network))
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--nnodes=1",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "islands.parallel.probe", str(out)]
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "islands.parallel.probe", str(out),
+               *([str(described)] if network else [])]
         done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                               timeout=timeout_s)
         if done.returncode != 0:
@@ -73,7 +76,9 @@ def measured_rate(cfg, ranks: int, timeout_s: float = 900.0) -> float:
     return per_image * statistics.median(windows)
 
 
-def this_machine(cfg, ranks: int = 2) -> Network:
-    link = measured_link(ranks)
+def this_machine(cfg, shape: tuple, classes: int, ranks: int = 2) -> Network:
+    network = {"model": cfg.model.model_dump(), "shape": list(shape), "classes": classes,
+               "batch": max(1, cfg.train.batch_size // ranks)}
+    link = measured_link(ranks, network)
     return Network(name="this-machine", gpus_per_node=ranks, gpu_tflops=measured_rate(cfg, ranks) / 1e12, mfu=1.0,
                    overlap=0.0, node=Link(gbit_s=link["gbit_s_under_ddp"], latency_us=link["latency_us"]))

@@ -115,6 +115,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
                                   fragments=par.fragments, replicas=par.replicas, batch_size=train.batch_size,
                                   worker_batch=par.worker_batch, worker_sync_every=par.worker_sync_every)
         schedule, replica, _, parts = strategy.clock(train.batch_size)
+    world.barrier()  # every rank has made the strategy's process groups before any may exit on an error below
     shares = strategy.data_shard()[1]
     for r, b in enumerate(schedule.batches):
         if par.worker_batch and b % (parts * train.accumulate):
