@@ -330,9 +330,32 @@ class ParallelConfig(Section):
     worker_batch: list[Annotated[int, Field(ge=1)]] | None = None
     worker_lr: list[Annotated[float, Field(ge=0)]] | None = None
     worker_sync_every: list[Annotated[int, Field(ge=1)]] | None = None
+    # replicas that are separate jobs and may drop out and rejoin (torchft): the lighthouse's address, which of
+    # `replicas` this job is, the address its peers reach it at (default: this machine's name), the fewest
+    # replicas a synchronisation may go ahead with, and how long a replica waits at a synchronisation for a live
+    # peer to reach it (a peer that stops heartbeating is left out sooner, by the lighthouse)
+    lighthouse: str | None = None
+    replica_id: int | None = Field(None, ge=0)
+    host: str | None = None
+    min_replicas: int = Field(1, ge=1)
+    quorum_timeout_s: float = Field(3600.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self):
+        if self.lighthouse is not None:
+            if self.strategy not in ("local_sgd", "diloco"):
+                raise ValueError(f"lighthouse: replicas joined through torchft are local_sgd or diloco replicas, "
+                                 f"not {self.strategy!r}")
+            if self.replicas is None or self.replica_id is None:
+                raise ValueError("lighthouse: give parallel.replicas (how many replica jobs) and parallel.replica_id "
+                                 "(which one this job is)")
+            if self.replica_id >= self.replicas:
+                raise ValueError(f"replica_id: {self.replica_id} is not one of parallel.replicas={self.replicas} "
+                                 "(0 to replicas - 1)")
+            if self.min_replicas > self.replicas:
+                raise ValueError(f"min_replicas: {self.min_replicas} is more than parallel.replicas={self.replicas}")
+        elif self.replica_id is not None:
+            raise ValueError("replica_id: only replicas joined through parallel.lighthouse have an id")
         if (self.schedule == "interleaved") != (self.virtual_stages > 1):
             raise ValueError("virtual_stages: the interleaved schedule needs virtual_stages >= 2, "
                              f"and only it has virtual stages (schedule={self.schedule!r})")

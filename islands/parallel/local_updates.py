@@ -34,6 +34,10 @@ under its own name (`replica_<rank>`) and the synchronised state, the same on ev
 takes in only synchronised weights (the anchor, fragment by fragment when streaming), credited with the images
 since the last synchronisation, so it is the same on every rank. The last step of a run synchronises every
 fragment, so the exported weights are the replicas' common ones.
+
+Replicas that are separate jobs (`parallel.lighthouse`): each job is replica `parallel.replica_id` of
+`parallel.replicas`, its ranks one replica (DDP inside it when there are several), and the synchronisation goes
+through torchft (islands.parallel.fault_tolerance), so replicas may drop out and rejoin.
 """
 
 import torch
@@ -67,13 +71,32 @@ class LocalSGDStrategy(Strategy):
     def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False,
                  activation_checkpointing: bool = False, sync_every: int = 100, batch_size: int = 1,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1, replicas: int | None = None,
-                 worker_batch: list[int] | None = None, worker_sync_every: list[int] | None = None):
+                 worker_batch: list[int] | None = None, worker_sync_every: list[int] | None = None,
+                 lighthouse: str | None = None, replica_id: int | None = None, host: str | None = None,
+                 min_replicas: int = 1, timeout_s: float = 600.0, quorum_timeout_s: float = 3600.0):
         super().__init__(world, compression, precision, compile, activation_checkpointing)
         if fragments > sync_every:
             raise ValueError(f"parallel.fragments: {fragments} fragments cannot take turns within "
                              f"sync_every={sync_every} steps")
         self.replicas, self.outer_group, self.inner, per = world.size, world.group, None, 1
-        if replicas is not None and replicas != world.size:
+        # separate jobs: torchft's exchange, the state a rejoining replica is sent, and the clock it then takes
+        self.link, self.shared, self.images, self.joined = None, {}, 0, None
+        self.synchronisations = torch.zeros(2, dtype=torch.int64)  # torchft's step and batches committed
+        if lighthouse is not None:  # this job is one replica of `replicas`, its ranks in DDP
+            try:  # torchft, imported only by the runs that use it
+                from islands.parallel.fault_tolerance import ReplicaLink
+            except ImportError as err:
+                raise ValueError(f"parallel.lighthouse: needs torchft ({err}); pip install 'islands[ft]'") from None
+            if fragments > 1:  # a rejoining replica would have to find its peers' fragment in their cycle
+                raise ValueError("parallel.fragments: streamed fragments are not offered with parallel.lighthouse; "
+                                 "replicas that are separate jobs synchronise whole (fragments=1)")
+            self.replicas, per = replicas, world.size
+            if world.distributed:
+                self.inner = DDPStrategy(world, "none", precision, compile, activation_checkpointing)
+                self.inner.ledger = self.ledger
+            self.link = ReplicaLink(lighthouse, replica_id, world, host, min_replicas, timeout_s, quorum_timeout_s,
+                                    self.shared_state, self.heal)
+        elif replicas is not None and replicas != world.size:
             if world.size % replicas:
                 raise ValueError(f"parallel.replicas: {world.size} ranks do not split into {replicas} equal replicas")
             self.replicas, (_, group) = replicas, world.split(replicas)
@@ -83,6 +106,8 @@ class LocalSGDStrategy(Strategy):
             across = [dist.new_group([place + r * per for r in range(replicas)]) for place in range(per)]
             self.outer_group = across[group.rank]
         self.replica, self.part, self.parts = world.rank // per, world.rank % per, per
+        if self.link is not None:
+            self.replica = replica_id
         for key, given in (("worker_batch", worker_batch), ("worker_sync_every", worker_sync_every)):
             if given is not None and len(given) != self.replicas:
                 raise ValueError(f"parallel.{key}: {len(given)} entries for {self.replicas} replicas")
@@ -96,12 +121,17 @@ class LocalSGDStrategy(Strategy):
         self.net: nn.Module | None = None
         self.anchor: dict[str, torch.Tensor] = {}  # the last synchronised weights, where the net does not hold them
 
+    @property
+    def communicates(self) -> bool:
+        return self.world.distributed or self.link is not None
+
     def wrap(self, net: nn.Module) -> nn.Module:
         model = self.inner.wrap(net) if self.inner else super().wrap(net)
         self.net = net
         named = list(net.named_parameters())
         self.fragments = [[named[i][0] for i in r] for r in fragments_of([p.numel() for _, p in named], self.count)]
-        if self.count > 1:  # whole synchronisations leave the synchronised weights in the net itself
+        # whole synchronisations leave the synchronised weights in the net itself; a rejoining replica is sent them
+        if self.count > 1 or self.link is not None:
             self.anchor = {name: p.detach().clone() for name, p in named}
         return model
 
@@ -121,49 +151,111 @@ class LocalSGDStrategy(Strategy):
     def after_step(self, images: int, last: bool = False) -> int:
         """Synchronise the fragments due at this step, and all of them at the end of the run; -> the images since
         the previous synchronisation if one happened now (what the EMA takes in), else 0."""
+        self.joined = None
         step = self.schedule.tick_at(images)
         due = range(self.count) if last else self.due(step)
         if not due:
             return 0
         # replicas that differ bring what they consumed since the round began (islands.data.schedule)
         weight = None if self.schedule.alike else self.schedule.weights(step - 1)[self.replica]
+        if self.link is not None:
+            self.images = images
+            self.link.begin(1.0 if weight is None else weight)  # may heal this replica (self.heal)
+            if self.joined is not None:  # it rejoined: it brings nothing and continues on its peers' clock
+                images, step, weight = self.joined, self.schedule.tick_at(self.joined), 0.0
+            weight = 1.0 if weight is None else weight
         params = dict(self.net.named_parameters())
-        for f in due:
-            self.synchronise([params[name] for name in self.fragments[f]], [self.anchor.get(n) for n in
-                                                                            self.fragments[f]], weight)
+        pieces = [([params[n] for n in self.fragments[f]], [self.anchor.get(n) for n in self.fragments[f]])
+                  for f in due]
+        means = [self.average(self.payload(p, a), self.wire, weight) for p, a in pieces]
+        if self.link is not None and not self.link.commit():
+            return 0  # a replica failed inside the exchange: nobody applies it, each keeps its own weights
+        for (p, a), mean in zip(pieces, means, strict=True):
+            self.apply(p, a, mean)
         previous = max(s for s in range(max(step - self.every, 0), step) if s == 0 or self.due(s))
         return images - self.schedule.images_after(previous)
+
+    def shared_state(self) -> dict:
+        """What a rejoining replica is sent: the last synchronised weights and outer state, the EMA's weights if
+        given (`share`), and the image count of this synchronisation."""
+        return {"anchor": self.anchor, **self.outer_state(), "images": self.images,
+                **{name: get() for name, (get, _) in self.shared.items()}}
+
+    @torch.no_grad()
+    def heal(self, state: dict) -> None:
+        """Take in a peer's `shared_state` (called by torchft at the quorum of a replica that is behind)."""
+        params = dict(self.net.named_parameters())
+        for name, value in state["anchor"].items():
+            self.anchor[name].copy_(value)
+            params[name].copy_(value)
+        self.load_outer_state(state)
+        for name, (_, load) in self.shared.items():
+            load(state[name])
+        self.joined = int(state["images"])
+
+    def share(self, name: str, get, load) -> None:
+        if self.link is not None:
+            self.shared[name] = (get, load)
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
 
     def ema_weights(self) -> dict[str, torch.Tensor] | None:
         return self.anchor if self.count > 1 else None  # whole: the net holds the anchor after each synchronisation
 
+    def outer_average(self, tensors: list[torch.Tensor], wire: torch.dtype | None, weight: float | None) -> list:
+        """The (weighted) mean over the replicas of this rank's `tensors`, through torchft between separate jobs."""
+        if self.link is not None:
+            return self.link.average(tensors, self.ledger, wire, weight)
+        return averaged(tensors, self.ledger, self.outer_group, self.replicas, wire, "outer_all_reduce", weight)
+
     def average(self, tensors: list[torch.Tensor], wire: torch.dtype | None, weight: float | None) -> list:
         """The (weighted) mean of `tensors` over the replicas; by pieces when a replica spans a group of ranks."""
         if self.inner is None:
-            return averaged(tensors, self.ledger, self.outer_group, self.replicas, wire, "outer_all_reduce", weight)
+            return self.outer_average(tensors, wire, weight)
         flat = torch.cat([t.detach().flatten() for t in tensors])
         pieces = list(torch.nn.functional.pad(flat, (0, -flat.numel() % self.parts)).chunk(self.parts))
-        mine = averaged([pieces[self.part]], self.ledger, self.outer_group, self.replicas, wire,
-                        "outer_all_reduce", weight)[0]
+        mine = self.outer_average([pieces[self.part]], wire, weight)[0]
         gathered = [torch.empty_like(mine) for _ in pieces]  # in full precision: the fast network is not the limit
         self.ledger.record("all_gather", mine.numel() * mine.element_size() * self.parts, self.parts)
         dist.all_gather(gathered, mine, group=self.inner.world.group)
         mean = torch.cat(gathered)[:flat.numel()]
         return [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in tensors]), tensors, strict=True)]
 
+    wire = None  # the weights themselves are averaged in full precision
+
+    def payload(self, params: list[torch.Tensor], anchors: list) -> list[torch.Tensor]:
+        """What a replica sends: its weights."""
+        return params
+
     @torch.no_grad()
-    def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor | None],
-                    weight: float | None = None) -> None:
-        for p, a, m in zip(params, anchors, self.average(params, None, weight), strict=True):
+    def apply(self, params: list[torch.Tensor], anchors: list, mean: list[torch.Tensor]) -> None:
+        for p, a, m in zip(params, anchors, mean, strict=True):
             p.copy_(m)
             if a is not None:
                 a.copy_(m)
 
+    def outer_state(self) -> dict:
+        return {}
+
+    def load_outer_state(self, state: dict) -> None:
+        pass
+
     def checkpoint_layout(self, held: dict) -> dict:
         layout = {f"replica_{self.world.rank}": held}
         if self.anchor:
-            layout["outer"] = {"anchor": self.anchor}
+            layout["outer"] = {"anchor": self.anchor, **self.outer_state()}
+        if self.link is not None:  # torchft's count of synchronisations: a replica resumed from an older
+            counts = self.link.state_dict()  # checkpoint is behind its peers, and heals
+            self.synchronisations.copy_(torch.tensor([counts["step"], counts["batches_committed"]]))
+            layout["outer"]["synchronisations"] = self.synchronisations
         return layout
+
+    def resumed(self) -> None:
+        if self.link is not None:
+            step, batches = self.synchronisations.tolist()
+            self.link.load_state_dict({"step": step, "batches_committed": batches})
 
 
 class DiLoCoStrategy(LocalSGDStrategy):
@@ -179,17 +271,28 @@ class DiLoCoStrategy(LocalSGDStrategy):
                 self.outer.state[a]["momentum_buffer"] = torch.zeros_like(a)
         return model
 
+    @property
+    def wire(self) -> torch.dtype | None:
+        return WIRE_DTYPES[self.compression]  # pseudo-gradients may travel in 16 bits
+
+    def payload(self, params: list[torch.Tensor], anchors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The pseudo-gradient: the change since the last synchronisation."""
+        return [a - p for a, p in zip(anchors, params, strict=True)]
+
     @torch.no_grad()
-    def synchronise(self, params: list[torch.Tensor], anchors: list[torch.Tensor], weight: float | None = None) -> None:
-        deltas = [a - p for a, p in zip(anchors, params, strict=True)]
-        for a, d in zip(anchors, self.average(deltas, WIRE_DTYPES[self.compression], weight), strict=True):
+    def apply(self, params: list[torch.Tensor], anchors: list[torch.Tensor], mean: list[torch.Tensor]) -> None:
+        for a, d in zip(anchors, mean, strict=True):
             a.grad = d
         self.outer.step()  # SGD steps only the anchors with a gradient: this fragment's
         for a, p in zip(anchors, params, strict=True):
             a.grad = None
             p.copy_(a)
 
-    def checkpoint_layout(self, held: dict) -> dict:
-        momentum = {name: self.outer.state[a]["momentum_buffer"] for name, a in self.anchor.items()
-                    if "momentum_buffer" in self.outer.state[a]}
-        return {**super().checkpoint_layout(held), "outer": {"anchor": self.anchor, "momentum": momentum}}
+    def outer_state(self) -> dict:
+        return {"momentum": {name: self.outer.state[a]["momentum_buffer"] for name, a in self.anchor.items()
+                             if "momentum_buffer" in self.outer.state[a]}}
+
+    @torch.no_grad()
+    def load_outer_state(self, state: dict) -> None:
+        for name, value in state["momentum"].items():
+            self.outer.state[self.anchor[name]]["momentum_buffer"].copy_(value)

@@ -43,6 +43,7 @@ class Strategy:
     synchronise."""
 
     name = "none"
+    joined: int | None = None  # the image count a replica that rejoined its peers took from them at this step
 
     def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False,
                  activation_checkpointing: bool = False):
@@ -52,6 +53,11 @@ class Strategy:
         self.precision = precision
         self.compile = compile
         self.activation_checkpointing = activation_checkpointing
+
+    @property
+    def communicates(self) -> bool:
+        """Whether this rank sends anything (its traffic is then logged)."""
+        return self.world.distributed
 
     def wrap(self, net: nn.Module) -> nn.Module:
         """Return what the trainer calls; `net` itself stays the module whose parameters are optimized."""
@@ -104,6 +110,16 @@ class Strategy:
     def checkpoint_layout(self, held: dict) -> dict:
         """How this rank's state (model, optim, ema) is laid out in the sharded checkpoint, around the same dicts."""
         return held
+
+    def resumed(self) -> None:
+        """Called once a checkpoint has been read into `checkpoint_layout`'s tensors."""
+
+    def share(self, name: str, get, load) -> None:
+        """State that a replica rejoining the others later must be sent with the weights (the EMA): `get()` gives
+        it, `load(state)` takes it in. Only strategies whose replicas can drop out and rejoin keep it."""
+
+    def close(self) -> None:
+        """Release what the strategy holds beyond the process group (torchft's servers)."""
 
     def optimizer(self, net: nn.Module, kind: str = "adamw", **hyper) -> torch.optim.Optimizer:
         return OPTIMIZERS[kind](net.parameters(), **optimizer_hyper(kind, hyper))

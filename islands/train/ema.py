@@ -42,3 +42,9 @@ class EMA:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Keyed like the network's own state dict, so it loads into a plain copy of the network."""
         return {**self.params, **self.buffers}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        held = self.state_dict()
+        for name, value in state.items():
+            held[name].copy_(value)

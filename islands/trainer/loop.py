@@ -8,6 +8,7 @@ stopped.
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -67,9 +68,13 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
     schedule, replica, part, replica_ranks = parts.strategy.clock(batch)
     with config_errors("parallel"):  # a resume under another schedule must land on one of its ticks
         tick = schedule.tick_at(state.images)
-    loader = iter(stream_loader(parts.source, batch, cfg.seed, start=state.images, rank=replica,
-                                workers=cfg.data.workers, flip=cfg.data.flip, schedule=schedule, part=part,
-                                parts=replica_ranks, own_order=cfg.data.shards is not None))
+
+    def batches_from(images: int):
+        return iter(stream_loader(parts.source, batch, cfg.seed, start=images, rank=replica, workers=cfg.data.workers,
+                                  flip=cfg.data.flip, schedule=schedule, part=part, parts=replica_ranks,
+                                  own_order=cfg.data.shards is not None))
+
+    loader = batches_from(state.images)
     peak_lr = cfg.parallel.worker_lr[replica] if cfg.parallel.worker_lr else cfg.train.lr
     if world.is_main:
         micro = batch // (shares * accumulate)
@@ -100,6 +105,12 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
             tick += 1
             # The strategy may synchronise replicas here; the EMA takes in the model's weights, not a replica's.
             credit = parts.strategy.after_step(state.images, state.images >= cfg.train.images)
+            if parts.strategy.joined not in (None, state.images):  # a replica that rejoined takes its peers' clock
+                if world.is_main:
+                    print(f"islands: rejoined the other replicas at image {parts.strategy.joined} (from image "
+                          f"{state.images}), with their weights", file=sys.stderr, flush=True)
+                state.images, tick = parts.strategy.joined, schedule.tick_at(parts.strategy.joined)
+                loader = batches_from(state.images)
             if finite:
                 if parts.ema is not None and credit != 0:
                     parts.ema.update(parts.net, state.images, images if credit is None else credit,
@@ -121,7 +132,8 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
     finally:
         for reporter in reporters:
             reporter.close()
-    if world.is_main and world.distributed:
+        parts.strategy.close()
+    if world.is_main and parts.strategy.communicates:
         atomic_write_text(parts.run_dir / "communication.json", json.dumps(parts.strategy.ledger.summary(), indent=1))
     # Leave together: rank 0 may still be drawing samples, and a peer tearing down its process group
     # meanwhile has been seen to abort ("terminate called without an active exception").

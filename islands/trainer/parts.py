@@ -77,6 +77,7 @@ class Parts:
             return Progress()
         held = self.held_state()
         read_sharded(ckpt, self.sharded_state(held), self.world.group)
+        self.strategy.resumed()
         self.net.load_state_dict(held["model"])
         trainer = read_trainer(ckpt)
         self.scaler.load_state_dict(trainer["scaler"])
@@ -113,7 +114,10 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
                                   schedule=par.schedule, virtual_stages=par.virtual_stages, data=par.data,
                                   sync_every=par.sync_every, outer_lr=par.outer_lr, outer_momentum=par.outer_momentum,
                                   fragments=par.fragments, replicas=par.replicas, batch_size=train.batch_size,
-                                  worker_batch=par.worker_batch, worker_sync_every=par.worker_sync_every)
+                                  worker_batch=par.worker_batch, worker_sync_every=par.worker_sync_every,
+                                  lighthouse=par.lighthouse, replica_id=par.replica_id, host=par.host,
+                                  min_replicas=par.min_replicas, timeout_s=par.timeout_s,
+                                  quorum_timeout_s=par.quorum_timeout_s)
         schedule, replica, _, parts = strategy.clock(train.batch_size)
     world.barrier()  # every rank has made the strategy's process groups before any may exit on an error below
     shares = strategy.data_shard()[1]
@@ -166,6 +170,8 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
         model = strategy.wrap(net)
     opt = strategy.optimizer(net, train.optimizer, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
     ema = EMA(net, train.ema_halflife_images, train.ema_rampup) if train.ema_halflife_images else None
+    if ema is not None:  # a replica that rejoins its peers takes their EMA too
+        strategy.share("ema", ema.state_dict, ema.load_state_dict)
     scaler = torch.amp.GradScaler(world.device.type, init_scale=2.0**10, enabled=train.precision == "fp16")
     return Parts(cfg, world, strategy, run_dir, source, shape, num_classes, net, model, opt, ema, scaler, objective)
 

@@ -93,7 +93,7 @@ class MetricsLog(Reporter):
         record = {"images": step.progress.images, "step": step.progress.step, "loss": loss,
                   "grad_norm": w["grad_norm"] / steps, "lr": step.lr, "images_per_s": w["images"] / seconds,
                   "skipped": step.progress.skipped}
-        if world.distributed:
+        if self.parts.strategy.communicates:
             record["comm_bytes_per_step_per_rank"] = comm_per_step
         if self.parts.main:
             self.logbook.write(record)

@@ -1,0 +1,198 @@
+"""Replicas that are separate jobs and may drop out and rejoin: the outer synchronisation of local SGD and DiLoCo
+through torchft (`parallel.lighthouse`).
+
+Each job (one process, or a torchrun job whose ranks train one replica with DDP) is one replica. At every
+synchronisation its ranks ask torchft's `Manager` for a quorum, which the lighthouse forms from the replicas that are
+alive and asking; the exchange then runs on torchft's reconfigurable gloo group over exactly those replicas, and is
+committed only if every one of them got through it. So:
+
+- a replica that dies or hangs does not stop the others: once its heartbeat stops the lighthouse leaves it out of
+  the next quorum, and the weighted average is renormalised over the replicas present (each sends its weight
+  beside its tensors). A live replica that falls behind is waited for (up to `parallel.quorum_timeout_s`) unless
+  the replicas asking are a majority of the live ones: the lighthouse never lets a minority go ahead (split-brain
+  prevention), so of two replicas a slow one holds the other back, of three or more the others go ahead after the
+  lighthouse's `join_timeout_ms` and the slow one heals when it asks;
+- a synchronisation broken by a peer dying inside it is discarded: no replica applies it, each keeps its own weights,
+  and the next one starts from a fresh quorum;
+- a replica that restarts (from its own last checkpoint, or from nothing) is behind the quorum's count of
+  synchronisations, so torchft heals it at its next synchronisation: it receives a peer's last synchronised weights,
+  outer state, EMA and image count, takes part in that synchronisation with weight zero (it consumed nothing of the
+  round), and continues on its peers' clock.
+
+Healing sends the state as safetensors over HTTP (`SafetensorsTransport`): torchft's own transports unpickle what a
+peer sends, and another island is not trusted with that. torchft's `LocalSGD` and `DiLoCo` wrappers are not used:
+Islands' strategies already implement both methods (with the image clock, weighting and streaming the trainer
+needs); only the exchange and the membership come from torchft.
+"""
+
+import json
+import os
+import socket
+import threading
+import urllib.request
+from collections.abc import Callable
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from torchft.checkpointing.transport import CheckpointTransport
+from torchft.manager import Manager
+from torchft.process_group import ProcessGroupGloo
+
+from islands.parallel.launch import World
+from islands.parallel.ledger import Ledger
+
+
+def flatten(state: dict, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A nested dict of tensors and numbers -> (tensors by "/"-joined key, the numbers as JSON by key)."""
+    tensors, numbers = {}, {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            more, nums = flatten(value, f"{name}/")
+            tensors.update(more)
+            numbers.update(nums)
+        elif isinstance(value, torch.Tensor):
+            tensors[name] = value.detach().cpu().contiguous()
+        else:
+            numbers[name] = json.dumps(value)
+    return tensors, numbers
+
+
+def unflatten(tensors: dict[str, torch.Tensor], numbers: dict[str, str]) -> dict:
+    state: dict = {}
+    for name, value in [*tensors.items(), *((k, json.loads(v)) for k, v in numbers.items())]:
+        *path, leaf = name.split("/")
+        node = state
+        for key in path:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return state
+
+
+def to_bytes(state: dict) -> bytes:
+    tensors, numbers = flatten(state)
+    return save_safetensors(tensors, metadata={"numbers": json.dumps(numbers)})
+
+
+def from_bytes(data: bytes) -> dict:
+    """Parse what a peer sent: safetensors, so a hostile peer can send wrong numbers but never code."""
+    try:
+        tensors = load_safetensors(data)  # checks the header against the data before anything is read
+        header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+        numbers = json.loads(header.get("__metadata__", {}).get("numbers", "{}"))
+    except (SafetensorError, ValueError) as err:
+        raise ValueError(f"a peer sent healing state that is not safetensors: {err}") from None
+    return unflatten(tensors, numbers)
+
+
+class SafetensorsTransport(CheckpointTransport):
+    """torchft's checkpoint transport for healing, serving the state a peer asks for as safetensors bytes from a
+    small HTTP server on `host`."""
+
+    def __init__(self, host: str, timeout: timedelta):
+        self.timeout, self.payload, self.step = timeout, b"", -1
+        self.ready = threading.Event()
+        transport = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                step = int(self.path.rstrip("/").rsplit("/", 1)[-1])
+                if not transport.ready.wait(transport.timeout.total_seconds()) or step != transport.step:
+                    self.send_error(404, f"no state for synchronisation {step} (serving {transport.step})")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(transport.payload)))
+                self.end_headers()
+                self.wfile.write(transport.payload)
+
+            def log_message(self, *args):  # one line per request on stderr would drown the run's own output
+                pass
+
+        self.server = ThreadingHTTPServer((host, 0), Handler)
+        self.server.daemon_threads = True
+        self.address = f"http://{host}:{self.server.server_address[1]}/state/"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def metadata(self) -> str:
+        return self.address
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict, timeout: timedelta) -> None:
+        self.payload, self.step = to_bytes(state_dict), step  # serialised now: the weights move on after this
+        self.ready.set()
+
+    def disallow_checkpoint(self) -> None:
+        self.ready.clear()
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> dict:
+        with urllib.request.urlopen(f"{metadata}{step}", timeout=timeout.total_seconds()) as response:
+            return from_bytes(response.read())
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class ReplicaLink:
+    """The synchronisation of one replica with the others present: quorum, weighted all-reduce, commit.
+
+    `state()` is what a rejoining peer must receive, `load(state)` takes it in (the strategy's); both see plain
+    nested dicts of tensors and numbers."""
+
+    def __init__(self, lighthouse: str, replica_id: int, world: World, host: str | None, min_replicas: int,
+                 timeout_s: float, quorum_timeout_s: float, state: Callable[[], dict], load: Callable[[dict], None]):
+        host = host or socket.gethostname()
+        lighthouse = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
+        timeout = timedelta(seconds=timeout_s)
+        self.store = None
+        if "MASTER_ADDR" in os.environ:  # under torchrun: the job's own store
+            store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        else:  # one process: the store its manager and torchft's process group meet at
+            self.store = torch.distributed.TCPStore(host, 0, 1, is_master=True, wait_for_workers=False)
+            store_addr, store_port = host, self.store.port
+        self.transport = SafetensorsTransport(host, timeout)
+        # init_sync=False: every replica draws the same initial weights from the config's seed
+        self.manager = Manager(ProcessGroupGloo(timeout=timeout), load, state, min_replica_size=min_replicas,
+                               use_async_quorum=False, timeout=timeout,
+                               quorum_timeout=timedelta(seconds=quorum_timeout_s),
+                               connect_timeout=timeout, rank=world.rank, world_size=world.size,
+                               store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse,
+                               replica_id=f"islands_{replica_id}", hostname=host,
+                               checkpoint_transport=self.transport, init_sync=False)
+        self.total = 1.0
+
+    def begin(self, weight: float) -> int:
+        """Join this synchronisation's quorum (healing first if this replica is behind) and learn the weights of
+        the replicas present; -> their number."""
+        self.manager.start_quorum()
+        total = torch.tensor([weight], dtype=torch.float64)
+        self.manager.allreduce(total, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        self.total = float(total)
+        return self.manager.num_participants()
+
+    def average(self, tensors: list[torch.Tensor], ledger: Ledger, wire: torch.dtype | None,
+                weight: float) -> list[torch.Tensor]:
+        """The weighted mean of `tensors` over the replicas of this quorum (sent in `wire`, if given)."""
+        flat = torch.cat([t.detach().flatten() for t in tensors]) * weight
+        payload = flat if wire is None else flat.to(wire)
+        ledger.record("outer_all_reduce", payload.numel() * payload.element_size(), self.manager.num_participants())
+        self.manager.allreduce(payload, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        mean = payload.to(flat.dtype) / max(self.total, 1e-30)
+        return [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in tensors]), tensors, strict=True)]
+
+    def commit(self) -> bool:
+        """Whether every replica of the quorum got through the exchange; if not, no one applies it."""
+        return self.manager.should_commit() and self.total > 0
+
+    def state_dict(self) -> dict[str, int]:
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.manager.load_state_dict(state)
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+        self.transport.shutdown()

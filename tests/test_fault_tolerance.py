@@ -1,0 +1,139 @@
+"""Replicas that are separate jobs joined through torchft's lighthouse (parallel.lighthouse): they follow the
+in-job run exactly while all are present, and one that hangs or dies and restarts does not stop the other and
+rejoins it with the current weights. Everything on 127.0.0.1, every process under a timeout."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from test_local_updates import plain, two_ranks
+from test_parallel import final_weights, mlp_config, relative_difference
+from torchft.coordination import LighthouseServer
+
+from islands.config import validate
+from islands.errors import ConfigError
+from islands.parallel.fault_tolerance import from_bytes, to_bytes
+from islands.parallel.launch import World
+from islands.parallel.local_updates import LocalSGDStrategy
+from islands.rundir import latest_checkpoint
+
+TIMEOUT_S = 300  # the failure test takes about 50 s alone; far longer on a machine busy with other tests
+
+
+@pytest.fixture
+def lighthouse(request):
+    """A lighthouse on 127.0.0.1 that forms a quorum of `min_replicas` (the test's parameter, default 1)."""
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=getattr(request, "param", 1), join_timeout_ms=500,
+                              heartbeat_timeout_ms=1000)
+    yield "127.0.0.1:" + server.address().rsplit(":", 1)[1]
+    server.shutdown()
+
+
+def replica(cfg: dict, tmp_path, replica_id: int, address: str, *overrides: str) -> subprocess.Popen:
+    """`islands train` as replica `replica_id` of 2, a job of its own (one process, no torchrun)."""
+    path = tmp_path / "replica.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    log = open(tmp_path / f"r{replica_id}-{time.monotonic_ns()}.log", "w")  # torchft logs every quorum: a file
+    keys = [f"run_dir={tmp_path}/r{replica_id}", f"parallel.lighthouse={address}", "parallel.replicas=2",
+            f"parallel.replica_id={replica_id}", "parallel.host=127.0.0.1", "parallel.timeout_s=5",
+            "parallel.quorum_timeout_s=60"]
+    proc = subprocess.Popen([sys.executable, "-m", "islands", "train", str(path), *keys, *overrides, "--quiet"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    proc.log = log
+    return proc
+
+
+def finish(proc: subprocess.Popen, deadline: float) -> subprocess.CompletedProcess:
+    """Wait for `proc` until `deadline`; -> its exit status and output, with torchft's INFO lines left out."""
+    try:
+        proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.log.close()
+    lines = open(proc.log.name).read().splitlines()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "",
+                                       "\n".join(line for line in lines if "[INFO]" not in line))
+
+
+def test_the_healing_state_travels_as_safetensors_and_comes_back_whole():
+    state = {"user": {"default": {"anchor": {"net.w": torch.randn(3, 2)}, "momentum": {}, "images": 4096,
+                                  "ema": {"net.w": torch.ones(2)}}}, "torchft": {"step": 7, "batches_committed": 14}}
+    back = from_bytes(to_bytes(state))
+    assert torch.equal(back["user"]["default"]["anchor"]["net.w"], state["user"]["default"]["anchor"]["net.w"])
+    assert back["user"]["default"]["images"] == 4096 and back["torchft"] == {"step": 7, "batches_committed": 14}
+    assert torch.equal(back["user"]["default"]["ema"]["net.w"], torch.ones(2))
+    with pytest.raises(ValueError, match="not safetensors"):  # a pickle is refused by the parser, never executed
+        from_bytes(b"\x80\x04\x95" + b"\x00" * 64)
+
+
+@pytest.mark.parametrize("lighthouse", [2], indirect=True)
+def test_two_replica_jobs_follow_the_two_rank_run_exactly(tmp_path, lighthouse):
+    """With both replicas present at every synchronisation (a quorum needs both), DiLoCo across two jobs is the
+    in-job DiLoCo of two ranks, bit for bit, and the traffic is logged as every strategy's is."""
+    cfg = plain(mlp_config(tmp_path), images=640)
+    strategy = ("parallel.strategy=diloco", "parallel.sync_every=4")
+    deadline = time.monotonic() + TIMEOUT_S
+    jobs = [replica(cfg, tmp_path, r, lighthouse, *strategy) for r in range(2)]
+    done = [finish(job, deadline) for job in jobs]
+    assert all(d.returncode == 0 for d in done), [d.stderr[-2000:] for d in done]
+    in_job = two_ranks(tmp_path, "in_job", cfg, *strategy)
+    a, b = final_weights(tmp_path / "r0"), final_weights(tmp_path / "r1")
+    assert relative_difference(a, b) == 0.0
+    assert relative_difference(a, final_weights(in_job)) < 1e-6
+    sent = json.loads((tmp_path / "r0" / "communication.json").read_text())["total_bytes"]
+    assert sent == pytest.approx(json.loads((in_job / "communication.json").read_text())["total_bytes"])
+    assert "comm_bytes_per_step_per_rank" in (tmp_path / "r0" / "metrics.jsonl").read_text().splitlines()[-1]
+
+
+def test_a_replica_that_hangs_or_dies_leaves_the_other_training_and_rejoins_with_its_weights(tmp_path, lighthouse):
+    """Replica 1 hangs (SIGSTOP) for 3 s, then is killed and restarted from its own last checkpoint: replica 0
+    trains on through both, and replica 1 heals each time at its next synchronisation, taking replica 0's weights
+    and clock, so both finish with the same weights."""
+    cfg = plain(mlp_config(tmp_path), images=64000, checkpoint_every=3200, log_every=3200)
+    strategy = ("parallel.strategy=diloco", "parallel.sync_every=4")
+    deadline = time.monotonic() + TIMEOUT_S
+    survivor, flaky = (replica(cfg, tmp_path, r, lighthouse, *strategy) for r in range(2))
+    try:
+        first = tmp_path / "r1" / "checkpoints"
+        while latest_checkpoint(tmp_path / "r1") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        flaky.send_signal(signal.SIGSTOP)  # hangs: no heartbeat, no synchronisation
+        seen, stopped = latest_checkpoint(tmp_path / "r0"), time.monotonic()
+        # replica 0 goes on without it (after the collective timeout, 5 s, if it hung inside an exchange)
+        while latest_checkpoint(tmp_path / "r0") == seen and time.monotonic() < stopped + 30:
+            time.sleep(0.05)
+        assert latest_checkpoint(tmp_path / "r0") != seen
+        time.sleep(max(0.0, stopped + 3 - time.monotonic()))
+        flaky.send_signal(signal.SIGCONT)
+        time.sleep(2)
+        flaky.kill()  # dies; restarted as a rerun of the same command resumes from its last checkpoint
+        flaky.wait()
+        restarted = replica(cfg, tmp_path, 1, lighthouse, *strategy)
+        done = finish(survivor, deadline), finish(restarted, deadline)
+    finally:
+        for p in (survivor, flaky):
+            if p.poll() is None:
+                p.kill()
+    assert all(d.returncode == 0 for d in done), [d.stderr[-2000:] for d in done]
+    assert "rejoined the other replicas" in done[1].stderr, done[1].stderr[-2000:]
+    assert sorted(p.name for p in first.iterdir())[-1] == latest_checkpoint(tmp_path / "r0").name
+    assert relative_difference(final_weights(tmp_path / "r0"), final_weights(tmp_path / "r1")) == 0.0
+
+
+def test_lighthouse_keys_are_checked_in_one_line():
+    base = {"run_dir": "x", "parallel": {"strategy": "diloco", "lighthouse": "127.0.0.1:1", "replicas": 2}}
+    cases = {"replica_id": ({}, "give parallel.replicas"), "strategy": ({"strategy": "ddp", "replica_id": 0},
+                                                                        "local_sgd or diloco replicas"),
+             "range": ({"replica_id": 2}, "replica_id: 2 is not one of")}
+    for extra, message in cases.values():
+        with pytest.raises(ConfigError, match=message):
+            validate({**base, "parallel": {**base["parallel"], **extra}})
+    with pytest.raises(ValueError, match="parallel.fragments: streamed fragments are not offered"):
+        LocalSGDStrategy(World(), sync_every=4, fragments=2, lighthouse="127.0.0.1:1", replicas=2, replica_id=0)
