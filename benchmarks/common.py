@@ -207,6 +207,15 @@ def table(headers: list[str], rows: list[list]) -> str:
                      [line(r) for r in cells[1:]])
 
 
+def cached(path: Path, key: str, evaluate):
+    """evaluate(), kept in the JSON file `path` under `key` so that a rerun does not repeat it."""
+    done = json.loads(path.read_text()) if path.exists() else {}
+    if key not in done:
+        done[key] = evaluate()
+        path.write_text(json.dumps(done, indent=1))
+    return done[key]
+
+
 def save(name: str, result: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

@@ -33,6 +33,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.common import FIGURES, UNET, ensembles_at_equal_flops, measure, save, setup, table
+from benchmarks.common import cached as cached_in
 from islands.config import validate
 from islands.data import build_data
 from islands.ddm.ensemble import ancestral_preparation, load_ensemble, read_manifest
@@ -96,13 +97,8 @@ def forward_flops(model: dict) -> float:
 
 def cached(name: str, evaluate) -> dict:
     """One evaluation, kept in WORK/evaluations.json so that a rerun does not repeat it."""
-    path = WORK / "evaluations.json"
-    done = json.loads(path.read_text()) if path.exists() else {}
-    key = f"{name} num={NUM} steps={STEPS} solver={SOLVER} scoring={SCORING}"
-    if key not in done:
-        done[key] = evaluate()
-        path.write_text(json.dumps(done, indent=1))
-    return done[key]
+    return cached_in(WORK / "evaluations.json", f"{name} num={NUM} steps={STEPS} solver={SOLVER} scoring={SCORING}",
+                evaluate)
 
 
 def timed_run(evaluate) -> dict:
