@@ -14,11 +14,10 @@ import torch
 import yaml
 from test_local_updates import plain, two_ranks
 from test_parallel import final_weights, mlp_config, relative_difference
-from torchft.coordination import LighthouseServer
 
 from islands.config import validate
 from islands.errors import ConfigError
-from islands.parallel.fault_tolerance import from_bytes, to_bytes
+from islands.parallel.fault_tolerance import from_bytes, to_bytes  # first: it quiets torchft's INFO logs
 from islands.parallel.launch import World
 from islands.parallel.local_updates import LocalSGDStrategy
 from islands.rundir import latest_checkpoint
@@ -29,6 +28,8 @@ TIMEOUT_S = 300  # the failure test takes about 50 s alone; far longer on a mach
 @pytest.fixture
 def lighthouse(request):
     """A lighthouse on 127.0.0.1 that forms a quorum of `min_replicas` (the test's parameter, default 1)."""
+    from torchft.coordination import LighthouseServer  # after islands.parallel.fault_tolerance, which quiets it
+
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=getattr(request, "param", 1), join_timeout_ms=500,
                               heartbeat_timeout_ms=1000)
     yield "127.0.0.1:" + server.address().rsplit(":", 1)[1]

@@ -26,6 +26,7 @@ needs); only the exchange and the membership come from torchft.
 """
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -34,16 +35,22 @@ from collections.abc import Callable
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
-from torchft.checkpointing.transport import CheckpointTransport
-from torchft.manager import Manager
-from torchft.process_group import ProcessGroupGloo
+# torchft's Rust side logs every quorum at INFO: quiet unless the user says otherwise (RUST_LOG), read when it loads
+os.environ.setdefault("RUST_LOG", "warn")
 
-from islands.parallel.launch import World
-from islands.parallel.ledger import Ledger
+import torch  # noqa: E402
+from safetensors import SafetensorError  # noqa: E402
+from safetensors.torch import load as load_safetensors  # noqa: E402
+from safetensors.torch import save as save_safetensors  # noqa: E402
+from torchft.checkpointing.transport import CheckpointTransport  # noqa: E402
+from torchft.manager import Manager  # noqa: E402
+from torchft.process_group import ProcessGroupGloo  # noqa: E402
+
+from islands.parallel.launch import World  # noqa: E402
+from islands.parallel.ledger import Ledger  # noqa: E402
+
+# ...and its manager warns at every new quorum that it cannot reset NCCL's flight recorder, which gloo has not
+logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
 
 
 def flatten(state: dict, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
