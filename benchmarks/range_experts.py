@@ -98,19 +98,19 @@ def heun_evaluations(bounds: dict) -> dict:
 
 def run() -> dict:
     setup()
-    with tempfile.TemporaryDirectory() as tmp:
-        print("32-D mixture, MLP:", flush=True)
-        gmm, gmm_bounds = compare(Path(tmp) / "gmm", gmm_raw, IMAGES, RANGES, (32,), 0)
+    with tempfile.TemporaryDirectory() as tmp:  # the longer half first, its table printed as soon as it is done
         print("Fashion-MNIST, U-Net:", flush=True)
         fashion, fashion_bounds = compare(Path(tmp) / "fashion", fashion_raw, FASHION_IMAGES, FASHION_RANGES,
                                           (1, 28, 28), 10)
+        fashion_evals = heun_evaluations(fashion_bounds)
+        print(table(["model", "FD", "KID x1e3", "KID s.e. x1e3", "precision", "recall", "evals/sample"],
+                    [[label, *(scale * r[m] for m, scale in FASHION_METRICS.items()), fashion_evals[label]]
+                     for label, r in fashion.items()]), flush=True)
+        print("32-D mixture, MLP:", flush=True)
+        gmm, gmm_bounds = compare(Path(tmp) / "gmm", gmm_raw, IMAGES, RANGES, (32,), 0)
     evals = heun_evaluations(gmm_bounds)
     print(table(["model", "NLL", "sliced W2", "mode mass err", "velocity MSE", "evals/sample"],
                 [[label, *(r[m] for m in METRICS), evals[label]] for label, r in gmm.items()]))
-    fashion_evals = heun_evaluations(fashion_bounds)
-    print(table(["model", "FD", "KID x1e3", "KID s.e. x1e3", "precision", "recall", "evals/sample"],
-                [[label, *(scale * r[m] for m, scale in FASHION_METRICS.items()), fashion_evals[label]]
-                 for label, r in fashion.items()]))
     verdicts = {}
     for data, found, metric in (("mixture", gmm, "nll"), ("fashion", fashion, "fd")):
         one, (best, label) = found["one model"][metric], min((v[metric], k) for k, v in found.items()
