@@ -154,7 +154,7 @@ class ReplicaLink:
         host = host or socket.gethostname()
         lighthouse = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
         timeout = timedelta(seconds=timeout_s)
-        self.store = None
+        self.store = None  # kept: the store lives as long as this object
         if "MASTER_ADDR" in os.environ:  # under torchrun: the job's own store
             store_addr, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         else:  # one process: the store its manager and torchft's process group meet at
@@ -171,14 +171,13 @@ class ReplicaLink:
                                checkpoint_transport=self.transport, init_sync=False)
         self.total = 1.0
 
-    def begin(self, weight: float) -> int:
-        """Join this synchronisation's quorum (healing first if this replica is behind) and learn the weights of
-        the replicas present; -> their number."""
+    def begin(self, weight: float) -> None:
+        """Join this synchronisation's quorum (healing first if this replica is behind) and learn the sum of the
+        weights of the replicas present."""
         self.manager.start_quorum()
         total = torch.tensor([weight], dtype=torch.float64)
         self.manager.allreduce(total, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         self.total = float(total)
-        return self.manager.num_participants()
 
     def average(self, tensors: list[torch.Tensor], ledger: Ledger, wire: torch.dtype | None,
                 weight: float) -> list[torch.Tensor]:
