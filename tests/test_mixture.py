@@ -10,7 +10,7 @@ from islands.config import SampleConfig
 from islands.data.gmm import GaussianMixture
 from islands.ddm.ensemble import ancestral_clusters, ancestral_preparation
 from islands.ddm.mixture import ExpertSlot, Mixture, PriorRouter, Routing, parse_routing
-from islands.flow.samplers import evaluations_per_sample, sample
+from islands.flow.samplers import evaluations_per_sample, guided, sample
 from islands.generate import generate
 
 MEANS = [[2.0, 2.0], [-2.0, 2.0], [-2.0, -2.0], [2.0, -2.0]]
@@ -422,3 +422,82 @@ def test_ancestral_samples_do_not_depend_on_how_many_are_drawn_at_once():
                                 prepare=ancestral_preparation(mixture, {"prior": WEIGHTS}, 5)))
     assert torch.equal(samples[0], samples[1]) and torch.equal(samples[1], samples[2])
     assert samples[0].std() > 0.5  # samples, not a constant
+
+
+# --- classifier-free guidance inside each expert -------------------------------------------------------------------
+class GuidedExpert(Expert):
+    """The exact expert of cluster k, shifted by 0.1 * (label + 1) when a label is given: a conditional velocity
+    that differs from the unconditional one, so that guidance moves it."""
+
+    def __call__(self, x, t, cond=None):
+        v = super().__call__(x, t)
+        return v if cond is None else v + 0.1 * (cond.to(x.dtype) + 1).unsqueeze(1)
+
+
+def label_aware_router(x, t, cond=None):
+    """PROBS with the label, and PROBS' columns reversed without it: the two halves would go to other experts."""
+    return PROBS[:, [3, 2, 1, 0]] if cond is None else PROBS
+
+
+@pytest.mark.parametrize("routing", ["top1", "topk:2", "nucleus:0.9"])
+def test_guidance_runs_inside_each_expert_the_conditional_half_routes(routing):
+    """v = sum_k w_k(x, t, c) [u_k + s (u_k(c) - u_k)]: each selected expert is asked both halves on the same rows,
+    the router once per evaluation, by the conditional call."""
+    experts = [GuidedExpert(k) for k in range(4)]
+    router_calls = []
+    mixture = Mixture([ExpertSlot(NAMES[k], lambda k=k: experts[k]) for k in range(4)],
+                      lambda x, t, cond=None: router_calls.append(cond) or label_aware_router(x, t, cond), routing)
+    x, t = torch.randn(5, 2, dtype=torch.float64), torch.full((5,), 0.5, dtype=torch.float64)
+    labels, scale = torch.tensor([0, 1, 2, 3, 4]), 2.5
+    out = guided(mixture, scale)(x, t, labels)
+    assert len(router_calls) == 1 and router_calls[0] is labels
+    chosen = SELECTIONS[routing]
+    for k, expert in enumerate(experts):
+        rows = [i for i, s in enumerate(chosen) if k in s]
+        assert len(expert.inputs) == (2 if rows else 0)
+        assert all(torch.equal(seen, x[rows]) for seen in expert.inputs), k
+    uncond = exact_components(x, t)
+    cond = uncond + 0.1 * (labels.double() + 1)[:, None, None]
+    for i, s in enumerate(chosen):
+        w = torch.tensor([PROBS[i, k] if k in s else 0.0 for k in range(4)], dtype=torch.float64)
+        expected = (w / w.sum()) @ (uncond[i] + scale * (cond[i] - uncond[i]))
+        assert torch.allclose(out[i], expected, atol=1e-12), (routing, i)
+    assert mixture.evaluations == 2 * sum(len(s) for s in chosen) and mixture.router_evaluations == 5
+
+
+def test_ancestral_guidance_inside_each_expert_is_guidance_of_the_mixture_to_the_bit():
+    """Under ancestral routing a sample has one expert, so guiding inside it or guiding the mixture's two calls is
+    the same sum; the samples are identical."""
+    labels = torch.arange(40) % 5
+    samples = []
+    for inside in (True, False):
+        mixture = Mixture([ExpertSlot(NAMES[k], lambda k=k: GuidedExpert(k)) for k in range(4)], None, "ancestral")
+        field = mixture if inside else (lambda x, t, cond=None, m=mixture: m(x, t, cond))  # no `guided` to find
+        opts = SampleConfig(steps=6, solver="heun", batch_size=40, guidance=3.0)
+        samples.append(generate(field, (2,), 40, opts, 5, labels,
+                                prepare=ancestral_preparation(mixture, {"prior": WEIGHTS}, 5)))
+    assert torch.equal(samples[0], samples[1]) and samples[0].std() > 0.5
+
+
+def test_experts_spread_over_ranks_guide_inside_each_expert_as_one_process_does(tmp_path):
+    """ExpertParallelMixture on a one-rank gloo group: the pairs travel through the all-to-all code and come back
+    guided exactly as the single-process mixture guides them."""
+    import torch.distributed as dist
+
+    from islands.ddm.expert_parallel import ExpertParallelMixture
+    from islands.parallel.launch import World
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        x, t = torch.randn(5, 2, dtype=torch.float64), torch.full((5,), 0.5, dtype=torch.float64)
+        labels = torch.tensor([0, 1, 2, 3, 4])
+        outputs = []
+        for spread in (False, True):
+            mixture = Mixture([ExpertSlot(NAMES[k], lambda k=k: GuidedExpert(k)) for k in range(4)],
+                              label_aware_router, "topk:2")
+            field = ExpertParallelMixture(mixture, World()) if spread else mixture
+            outputs.append(guided(field, 2.5)(x, t, labels))
+        assert torch.equal(outputs[0], outputs[1])
+        assert field.evaluations == 2 * sum(len(s) for s in SELECTIONS["topk:2"])
+    finally:
+        dist.destroy_process_group()

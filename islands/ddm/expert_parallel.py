@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from islands.data import streams
 from islands.ddm.ensemble import ancestral_preparation
-from islands.ddm.mixture import Mixture
+from islands.ddm.mixture import Mixture, RangeView
 from islands.ddm.time_gate import TimeGate
 from islands.errors import ConfigError
 from islands.flow.denoiser import broadcast
@@ -38,13 +38,18 @@ class ExpertParallelMixture(nn.Module):
         self.evaluations = 0  # (sample, expert) pairs of this rank's samples, wherever they were evaluated
 
     def for_range(self, i: int):
-        return lambda x, t, cond=None: self.forward(x, t, cond, time_range=i)
+        return RangeView(self, i)
 
-    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None, time_range: int | None = None) -> Tensor:
+    def guided(self, scale: float, time_range: int | None = None):
+        """Classifier-free guidance inside each expert, as `Mixture.guided`: the expert's rank evaluates both halves."""
+        return lambda x, t, cond=None: self.forward(x, t, cond, time_range, scale)
+
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None, time_range: int | None = None,
+                scale: float = 1.0) -> Tensor:
         t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(x.shape[0])
         weights = self.mixture.selection_weights(x, t, cond)
         rows, experts = (weights > 0).nonzero(as_tuple=True)
-        self.evaluations += rows.numel()
+        self.evaluations += rows.numel() * (2 if cond is not None and scale != 1.0 else 1)
         home = experts % self.world.size  # the rank that owns each pair's expert
         outgoing = []
         for rank in range(self.world.size):
@@ -56,7 +61,12 @@ class ExpertParallelMixture(nn.Module):
             v = torch.empty_like(xs)
             for k in ks.unique().tolist():
                 at = (ks == k).nonzero().squeeze(1)
-                v[at] = self.mixture.expert(k, time_range)(xs[at], ts[at], cs[0][at] if cs else None).to(x.dtype)
+                expert = self.mixture.expert(k, time_range)
+                v_cond = expert(xs[at], ts[at], cs[0][at] if cs else None)
+                if cs and scale != 1.0:  # guided: the unconditional half at the same expert
+                    v_uncond = expert(xs[at], ts[at], None)
+                    v_cond = v_uncond + scale * (v_cond - v_uncond)
+                v[at] = v_cond.to(x.dtype)
             answers.append([v])
         velocity = x.new_empty((rows.numel(), *x.shape[1:]))
         for rank, (v,) in enumerate(exchange(answers, self.world, self.ledger)):

@@ -200,21 +200,49 @@ class Mixture(nn.Module):
     def for_range(self, i: int) -> Denoiser:
         """The mixture with each expert's timestep-range expert i answering (a cluster x range grid), for a sampler
         integrating range i."""
-        return lambda x, t, cond=None: self.forward(x, t, cond, time_range=i)
+        return RangeView(self, i)
 
     def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None, time_range: int | None = None) -> Tensor:
         t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(x.shape[0])
         weights = self.selection_weights(x, t, cond)  # (B, K), zero where not selected, rows sum to 1
+        return self._combine(x, weights, lambda expert, rows: expert(x[rows], t[rows], None if cond is None
+                                                                     else cond[rows]), time_range)
+
+    def guided(self, scale: float, time_range: int | None = None) -> Denoiser:
+        """Classifier-free guidance inside each expert, as the samplers' `guided` asks of a denoiser that has it:
+
+            v = sum_k w_k(x_t, t, c) [u_k(x_t, t) + scale (u_k(x_t, t, c) - u_k(x_t, t))],
+
+        the weights those of the conditional call. Guiding the mixture's two halves apart would route the
+        unconditional half on its own, so that a sample's guidance direction could be the difference of two
+        experts' predictions; here it is always one expert's, and the router runs once per evaluation, not twice.
+        Under ancestral routing both are the same (each sample has one expert), to the bit."""
+        def velocity(x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
+            if cond is None or scale == 1.0:
+                return self.forward(x, t, cond, time_range)
+            t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(x.shape[0])
+
+            def call(expert, rows):
+                v_cond, v_uncond = expert(x[rows], t[rows], cond[rows]), expert(x[rows], t[rows], None)
+                return v_uncond + scale * (v_cond - v_uncond)
+
+            return self._combine(x, self.selection_weights(x, t, cond), call, time_range, calls=2)
+
+        return velocity
+
+    def _combine(self, x: Tensor, weights: Tensor, call: Callable, time_range: int | None, calls: int = 1) -> Tensor:
+        """sum_k weights[:, k] call(expert k, its rows): each selected expert runs once, on the samples that selected
+        it (`calls` network evaluations per sample each)."""
         selected = weights > 0
         order = [k for k in self._loaded if selected[:, k].any()]  # loaded experts first: fewer reloads
         order += [k for k in range(len(self.slots)) if k not in order and selected[:, k].any()]
         contributions = {}
         for k in order:
             rows = selected[:, k].nonzero().squeeze(1)
-            v = self.expert(k, time_range)(x[rows], t[rows], None if cond is None else cond[rows]).to(x.dtype)
+            v = call(self.expert(k, time_range), rows).to(x.dtype)
             contributions[k] = (rows, broadcast(weights[rows, k], v) * v)
-            self.evaluations += rows.numel()
-            self.evaluations_by_expert[k] += rows.numel()
+            self.evaluations += calls * rows.numel()
+            self.evaluations_by_expert[k] += calls * rows.numel()
         out = torch.zeros_like(x)
         for k in sorted(contributions):  # a fixed order of summation, whatever was loaded
             rows, term = contributions[k]
@@ -293,3 +321,18 @@ class Mixture(nn.Module):
             self._loaded[k] = self.slots[k].load()
         expert = self._loaded[k]
         return expert if time_range is None else expert.for_range(time_range)
+
+
+@dataclass(frozen=True)
+class RangeView:
+    """A mixture (one process's or spread over ranks) whose experts answer with their timestep-range expert
+    `time_range`, guided like the mixture."""
+
+    mixture: nn.Module
+    time_range: int
+
+    def __call__(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
+        return self.mixture(x, t, cond, time_range=self.time_range)
+
+    def guided(self, scale: float) -> Denoiser:
+        return self.mixture.guided(scale, self.time_range)

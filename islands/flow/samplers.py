@@ -109,6 +109,8 @@ def guided(denoiser: Denoiser, scale: float) -> Denoiser:
     """Classifier-free guidance (Ho & Salimans 2022): v = v_uncond + scale * (v_cond - v_uncond)."""
     if scale == 1.0:
         return denoiser
+    if hasattr(denoiser, "guided"):  # a denoiser that guides itself: a mixture guides inside each expert
+        return denoiser.guided(scale)
 
     def velocity(x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
         if cond is None:
