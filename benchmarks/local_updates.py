@@ -35,7 +35,7 @@ WORK = Path("runs/benchmarks/local_updates")
 IMAGES = 60_000  # one epoch: 469 steps of 128 images
 RUNS = {"ddp": {"strategy": "ddp"},
         **{f"local_sgd H={h}": {"strategy": "local_sgd", "sync_every": h} for h in (10, 50, 200)},
-        "diloco H=100 fp32": {"strategy": "diloco", "sync_every": 100},  # what bf16 costs, at the target's H
+        **{f"diloco H={h} fp32": {"strategy": "diloco", "sync_every": h} for h in (10, 50, 100, 200)},
         **{f"diloco H={h} bf16": {"strategy": "diloco", "sync_every": h, "compression": "bf16"}
            for h in (10, 50, 100, 200)},
         "streaming diloco H=100 F=4 bf16": {"strategy": "diloco", "sync_every": 100, "fragments": 4,
