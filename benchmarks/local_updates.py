@@ -9,7 +9,7 @@ decentralized ensemble is `islands ddm` with K = 2 experts of half the batch eac
 (4% of their FLOPs), sampled with ancestral routing.
 
 Target (issue 14): DiLoCo at H = 100 with bf16 pseudo-gradients within 10% of DDP's FD while sending at least 100x
-fewer bytes.
+fewer bytes. DDP and that run are then trained again for LONGER epochs (more outer rounds), to see the trend.
 
 The runs live in runs/benchmarks/local_updates: a rerun continues where an interrupted one stopped.
 
@@ -27,6 +27,7 @@ import yaml
 from benchmarks.common import FIGURES, cached, save, table
 from benchmarks.ddm_fashion import config as fashion_config
 from islands.config import validate
+from islands.ddm.members import images_done
 from islands.ddm.pipeline import sample_and_evaluate
 from islands.eval.evaluate import evaluate_target
 from islands.parallel.launch import free_port
@@ -42,16 +43,21 @@ RUNS = {"ddp": {"strategy": "ddp"},
                                             "compression": "bf16"}}
 ENSEMBLE, ROUTING = "ddm K=2", "ancestral"
 TARGET_RUN, FD_SLACK, BYTES_FACTOR = "diloco H=100 bf16", 1.10, 100
+# One epoch is 4 outer rounds at H = 100, where DiLoCo's recipe is tuned on hundreds: DDP and the target's run again
+# at LONGER epochs, to see which way the gap moves with the number of rounds.
+LONGER = 3
 
 
 def name_of(label: str) -> str:
     return label.replace(" ", "_").replace("=", "")
 
 
-def trained(label: str, parallel: dict) -> Path:
+def trained(label: str, parallel: dict, images: int = IMAGES) -> Path:
     """The 2-rank run `label` (resumed, or nothing done, if it was trained before)."""
-    cfg = {**fashion_config(WORK / name_of(label), images=IMAGES), "parallel": parallel}
-    cfg["train"]["checkpoint_every"] = IMAGES // 4
+    cfg = {**fashion_config(WORK / name_of(label), images=images), "parallel": parallel}
+    cfg["train"]["checkpoint_every"] = images // 4
+    if images_done(Path(cfg["run_dir"])) >= images:
+        return Path(cfg["run_dir"])
     path = WORK / f"{name_of(label)}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
@@ -99,8 +105,19 @@ def run() -> dict:
     print(f"{TARGET_RUN}: FD {target['fd']:.3f} against ddp's {ddp['fd']:.3f} ({target['fd'] / ddp['fd']:.3f}x, "
           f"target <= {FD_SLACK}), {ddp['bytes'] / target['bytes']:.0f}x fewer bytes (target >= {BYTES_FACTOR}): "
           f"{'met' if met else 'NOT met'}")
+    longer = {}
+    for label in ("ddp", TARGET_RUN):
+        run_dir = trained(f"{label} x{LONGER}", RUNS[label], LONGER * IMAGES)
+        metrics = cached(WORK / "evaluations.json", f"{label} images={LONGER * IMAGES}",
+                         lambda: evaluate_target(run_dir, progress=False)[0])
+        longer[label] = {"fd": metrics["fd"], "kid": metrics["kid"], "bytes": sent_bytes(run_dir)}
+    ratio = longer[TARGET_RUN]["fd"] / longer["ddp"]["fd"]
+    print(f"at {LONGER}x the images: ddp FD {longer['ddp']['fd']:.3f}, {TARGET_RUN} FD "
+          f"{longer[TARGET_RUN]['fd']:.3f} ({ratio:.3f}x; at 1x {target['fd'] / ddp['fd']:.3f}x), "
+          f"{longer['ddp']['bytes'] / longer[TARGET_RUN]['bytes']:.0f}x fewer bytes")
     figure(found)
     save("local_updates", {"results": found, "images": IMAGES, "runs": RUNS, "met": met,
+                           "longer": {"images": LONGER * IMAGES, "results": longer, "fd_vs_ddp": ratio},
                            "claim": f"{TARGET_RUN} within {FD_SLACK - 1:.0%} of DDP's FD with at least "
                                     f"{BYTES_FACTOR}x fewer bytes"})
     return {"met": met}
