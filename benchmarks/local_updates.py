@@ -124,17 +124,26 @@ def run() -> dict:
 
 
 def figure(found: dict) -> Path:
+    """FD against MiB sent, one line per method through its H values, the run that sends nothing at the left edge."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     floor = min(r["bytes"] for r in found.values() if r["bytes"]) / 10  # where a run that sent nothing is drawn
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    families: dict[str, list] = {}
     for label, r in found.items():
-        ax.plot(max(r["bytes"], floor) / 2**20, r["fd"], "o", color="k" if label == "ddp" else None)
-        ax.annotate(label if r["bytes"] else f"{label} (sends nothing)", (max(r["bytes"], floor) / 2**20, r["fd"]),
-                    fontsize=7, xytext=(3, 3), textcoords="offset points")
+        family = " ".join(word for word in label.split() if not word.startswith("H="))
+        h = next((word for word in label.split() if word.startswith("H=")), "")
+        families.setdefault(family, []).append((max(r["bytes"], floor) / 2**20, r["fd"], h))
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    for family, points in families.items():
+        name = f"{family} (sends nothing)" if all(r == floor / 2**20 for r, _, _ in points) else family
+        xs, ys, hs = zip(*sorted(points), strict=True)
+        line, = ax.plot(xs, ys, "o-", label=name, color="k" if family == "ddp" else None)
+        for x, y, h in zip(xs, ys, hs, strict=True):
+            if h:
+                ax.annotate(h, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points", color=line.get_color())
     ax.axhline(FD_SLACK * found["ddp"]["fd"], color="0.6", ls=":", lw=1, label=f"ddp's FD x {FD_SLACK}")
     ax.set(xscale="log", xlabel="MiB sent per rank over the run", ylabel="FD (classifier features)",
            title=f"Fashion-MNIST, {IMAGES} images, 2 ranks: quality against communication")
