@@ -135,7 +135,7 @@ def ensemble_fd_by_seed(cfg, routing: str) -> list[float]:
     evaluator, fds = Evaluator(whole_data(cfg), cfg.eval, cfg.seed), []
     for seed in SEEDS:
         mixture, manifest = load_ensemble(Path(cfg.run_dir), routing, seed=seed)
-        opts = cfg.sample.model_copy(update={"batch_size": mixture.sampling_batch(cfg.sample.batch_size)})
+        opts = cfg.sample.model_copy(update={"batch_size": mixture.plan_sampling(cfg.sample.batch_size)})
         batches = generated(mixture, SHAPE, NUM, opts, seed, cfg.model.num_classes,
                             prepare=ancestral_preparation(mixture, manifest, seed))
         fds.append(evaluator(batches)["fd"])

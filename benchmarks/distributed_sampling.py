@@ -37,7 +37,7 @@ ROUTINGS = ("full", "top1")
 
 def one_process(root: Path, cfg, routing: str) -> tuple[np.ndarray, float]:
     mixture, manifest = load_ensemble(root, routing, seed=cfg.seed)
-    opts = cfg.sample.model_copy(update={"batch_size": mixture.sampling_batch(cfg.sample.batch_size)})
+    opts = cfg.sample.model_copy(update={"batch_size": mixture.plan_sampling(cfg.sample.batch_size)})
     start = time.perf_counter()
     x = generate(mixture, (len(cfg.data.means[0]),), NUM, opts, cfg.seed, None,
                  prepare=ancestral_preparation(mixture, manifest, cfg.seed))

@@ -6,7 +6,7 @@ table), with random weights: speed does not depend on what they learned, and the
 every sample somewhere different. Each expert's weights are written to safetensors and loaded the way an ensemble
 loads them, on first use, inside the timed sampling. Settings: the demo's (K = 4, 400 samples in batches of 256,
 guidance 2, Heun 12 steps: 46 network evaluations per sample) and the table's (K = 8, one batch of 500 samples, no
-guidance, Heun 16 steps: 31). A mixture draws `Mixture.sampling_batch` samples at once, as `islands` does, so that
+guidance, Heun 16 steps: 31). A mixture draws `Mixture.plan_sampling` samples at once, as `islands` does, so that
 each expert's calls hold about as many samples as the monolith's. Monolith, top-1 and ancestral routing
 alternate, three rounds, on a quiet machine; the median is reported, and for the mixtures the share of the time
 spent inside the experts, inside the router, and elsewhere (loading the experts, splitting the batch, gathering
@@ -103,7 +103,7 @@ def run() -> dict:
                     if policy == "ancestral":  # balanced clusters: every expert draws a K-th of the samples
                         def prepare(lo, hi, _labels, mixture=mixture):
                             mixture.assign(torch.arange(lo, hi) % k)
-                    wide = opts.model_copy(update={"batch_size": mixture.sampling_batch(batch)})  # as islands does
+                    wide = opts.model_copy(update={"batch_size": mixture.plan_sampling(batch)})  # as islands does
                     s, _ = measure(f"{name} {policy}", lambda: timed(mixture, num, wide, labels, prepare))
                     seconds[policy].append(s)
                     inside = sum(c.seconds for c in experts)

@@ -113,7 +113,7 @@ def _sample_ensemble(args) -> int:
     shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)  # load_ensemble ensured one
     num_classes = cfg.model.num_classes
     opts = _sample_options(cfg, args)
-    opts = opts.model_copy(update={"batch_size": mixture.sampling_batch(opts.batch_size)})
+    opts = opts.model_copy(update={"batch_size": mixture.plan_sampling(opts.batch_size)})
     seed = cfg.seed if args.seed is None else args.seed
     labels = sample_labels(args.num, num_classes, args.class_label)
     if args.distributed:  # under torchrun: each rank holds some of the experts

@@ -403,17 +403,39 @@ def test_a_routed_batch_is_drawn_wide_enough_for_each_expert_to_get_one_models_c
     expert's calls hold about one model's batch; under full and nucleus routing every expert may see every sample.
     K counts the available experts."""
     slots = eager_slots()[0]
-    widths = {policy: Mixture(slots, exact_router, policy).sampling_batch(64)
+    widths = {policy: Mixture(slots, exact_router, policy).plan_sampling(64)
               for policy in ("ancestral", "top1", "sample", "topk:2", "ancestral_then:topk:2@0.3", "full",
                              "nucleus:0.9")}
     assert widths == {"ancestral": 256, "top1": 256, "sample": 256, "topk:2": 128, "ancestral_then:topk:2@0.3": 128,
                       "full": 64, "nucleus:0.9": 64}
-    assert Mixture(eager_slots(missing=(1,))[0], exact_router, "top1").sampling_batch(64) == 192
+    assert Mixture(eager_slots(missing=(1,))[0], exact_router, "top1").plan_sampling(64) == 192
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+def test_no_expert_call_holds_more_than_one_models_batch_whatever_the_router_sends_it(scale):
+    """A router that sends all 8 samples of a wide batch to one expert: under plan_sampling(3) the expert runs them
+    in equal calls of at most 3 (3 + 3 + 2), and the velocity is the one uncapped calls give."""
+    one_hot = torch.zeros(8, 4, dtype=torch.float64)
+    one_hot[:, 2] = 1.0
+    x, t = torch.randn(8, 2, dtype=torch.float64), torch.full((8,), 0.4, dtype=torch.float64)
+    labels = torch.arange(8) % 3
+    outputs, calls = [], []
+    for cap in (None, 3):
+        experts = [GuidedExpert(k) for k in range(4)]
+        slots = [ExpertSlot(NAMES[k], lambda k=k, experts=experts: experts[k]) for k in range(4)]
+        mixture = Mixture(slots, table_router(one_hot), "top1")
+        if cap is not None:
+            assert mixture.plan_sampling(cap) == 12  # K batches of 3 drawn at once
+        outputs.append(guided(mixture, scale)(x, t, labels))
+        calls.append([seen.shape[0] for seen in experts[2].inputs])
+    halves = 2 if scale != 1.0 else 1
+    assert calls[0] == [8] * halves and calls[1] == [n for n in (3, 3, 2) for _ in range(halves)]
+    assert torch.equal(outputs[0], outputs[1])
 
 
 def test_ancestral_samples_do_not_depend_on_how_many_are_drawn_at_once():
     """Each sample's noise and expert come from its own stream, so drawing 40 samples 7 or 40 at a time (or as
-    wide as sampling_batch makes it) gives the same samples exactly."""
+    wide as plan_sampling makes it) gives the same samples exactly."""
     samples = []
     for batch in (7, 40, 160):
         mixture = Mixture(eager_slots()[0], None, routing="ancestral")
@@ -445,7 +467,7 @@ def test_guidance_runs_inside_each_expert_the_conditional_half_routes(routing):
     the router once per evaluation, by the conditional call."""
     experts = [GuidedExpert(k) for k in range(4)]
     router_calls = []
-    mixture = Mixture([ExpertSlot(NAMES[k], lambda k=k: experts[k]) for k in range(4)],
+    mixture = Mixture([ExpertSlot(NAMES[k], lambda k=k, experts=experts: experts[k]) for k in range(4)],
                       lambda x, t, cond=None: router_calls.append(cond) or label_aware_router(x, t, cond), routing)
     x, t = torch.randn(5, 2, dtype=torch.float64), torch.full((5,), 0.5, dtype=torch.float64)
     labels, scale = torch.tensor([0, 1, 2, 3, 4]), 2.5
@@ -493,11 +515,15 @@ def test_experts_spread_over_ranks_guide_inside_each_expert_as_one_process_does(
         labels = torch.tensor([0, 1, 2, 3, 4])
         outputs = []
         for spread in (False, True):
-            mixture = Mixture([ExpertSlot(NAMES[k], lambda k=k: GuidedExpert(k)) for k in range(4)],
+            experts = [GuidedExpert(k) for k in range(4)]
+            mixture = Mixture([ExpertSlot(NAMES[k], lambda k=k, experts=experts: experts[k]) for k in range(4)],
                               label_aware_router, "topk:2")
+            if spread:  # and in calls of at most 2 samples, which changes nothing but the calls
+                mixture.plan_sampling(2)
             field = ExpertParallelMixture(mixture, World()) if spread else mixture
             outputs.append(guided(field, 2.5)(x, t, labels))
         assert torch.equal(outputs[0], outputs[1])
+        assert max(seen.shape[0] for expert in experts for seen in expert.inputs) == 2
         assert field.evaluations == 2 * sum(len(s) for s in SELECTIONS["topk:2"])
     finally:
         dist.destroy_process_group()

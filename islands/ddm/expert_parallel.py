@@ -59,14 +59,17 @@ class ExpertParallelMixture(nn.Module):
         answers = []
         for xs, ts, ks, *cs in exchange(outgoing, self.world, self.ledger):
             v = torch.empty_like(xs)
-            for k in ks.unique().tolist():
-                at = (ks == k).nonzero().squeeze(1)
-                expert = self.mixture.expert(k, time_range)
+
+            def call(expert, at, xs=xs, ts=ts, cs=cs):
                 v_cond = expert(xs[at], ts[at], cs[0][at] if cs else None)
                 if cs and scale != 1.0:  # guided: the unconditional half at the same expert
                     v_uncond = expert(xs[at], ts[at], None)
                     v_cond = v_uncond + scale * (v_cond - v_uncond)
-                v[at] = v_cond.to(x.dtype)
+                return v_cond
+
+            for k in ks.unique().tolist():
+                at = (ks == k).nonzero().squeeze(1)
+                v[at] = self.mixture.in_calls(call, self.mixture.expert(k, time_range), at).to(x.dtype)
             answers.append([v])
         velocity = x.new_empty((rows.numel(), *x.shape[1:]))
         for rank, (v,) in enumerate(exchange(answers, self.world, self.ledger)):

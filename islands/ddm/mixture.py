@@ -154,6 +154,7 @@ class Mixture(nn.Module):
         self._loaded: OrderedDict[int, Denoiser] = OrderedDict()  # least recently used first
         self._assigned: Tensor | None = None
         self._warned_missing = False
+        self.call_batch: int | None = None  # the most samples one expert call holds (set by plan_sampling)
         self.reset_counts()
 
     # --- bookkeeping ----------------------------------------------------------------------------
@@ -166,13 +167,26 @@ class Mixture(nn.Module):
         """Expert evaluations per sample, for `num_samples` samples generated since the last `reset_counts`."""
         return self.evaluations / num_samples
 
-    def sampling_batch(self, batch_size: int) -> int:
+    def plan_sampling(self, batch_size: int) -> int:
         """How many samples to draw at once so that each expert's calls hold about `batch_size`, as one model's
         calls do: a policy that sends every sample to one of K experts splits a batch K ways, and small calls waste
-        an accelerator. Under full and nucleus routing an expert may see every sample: `batch_size` itself."""
+        an accelerator. Under full and nucleus routing an expert may see every sample: `batch_size` itself.
+        From now on no expert call holds more than `batch_size` samples: a router that sends most of a wide
+        batch to one expert would otherwise hand it K batches at once, beyond the memory the user planned for
+        and slower per sample on a CPU (docs/BENCHMARKS.md section 12)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.call_batch = batch_size
         if self.routing.policy in ("full", "nucleus"):
             return batch_size
         return batch_size * int(self.available.sum()) // self.routing.top_k
+
+    def in_calls(self, call: Callable, expert: Denoiser, rows: Tensor) -> Tensor:
+        """call(expert, rows) in as few calls of at most `call_batch` samples as there can be, of equal sizes
+        (400 rows under a cap of 256 run as 200 + 200, not 256 + 144)."""
+        if self.call_batch is None or rows.numel() <= self.call_batch:
+            return call(expert, rows)
+        return torch.cat([call(expert, part) for part in rows.tensor_split(-(-rows.numel() // self.call_batch))])
 
     @property
     def loaded_names(self) -> list[str]:
@@ -239,7 +253,7 @@ class Mixture(nn.Module):
         contributions = {}
         for k in order:
             rows = selected[:, k].nonzero().squeeze(1)
-            v = call(self.expert(k, time_range), rows).to(x.dtype)
+            v = self.in_calls(call, self.expert(k, time_range), rows).to(x.dtype)
             contributions[k] = (rows, broadcast(weights[rows, k], v) * v)
             self.evaluations += calls * rows.numel()
             self.evaluations_by_expert[k] += calls * rows.numel()

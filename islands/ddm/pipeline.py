@@ -142,7 +142,7 @@ def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: b
         # before the metrics call the mixture themselves
         sampling["evaluations"], sampling["router"] = mixture.evaluations, mixture.router_evaluations
 
-    opts = cfg.sample.model_copy(update={"batch_size": mixture.sampling_batch(cfg.sample.batch_size)})
+    opts = cfg.sample.model_copy(update={"batch_size": mixture.plan_sampling(cfg.sample.batch_size)})
     batches = generated(mixture, shape, cfg.eval.num, opts, cfg.seed, num_classes, progress, prepare)
     # the velocity error needs a field of (x, t); ancestral routing is one only along each sample's own path
     result = evaluator(counted(batches), None if mixture.routing.needs_assignment else mixture)
