@@ -348,6 +348,10 @@ def test_distillation_learns_the_ensemble_in_one_network(ensemble, tmp_path, tea
     own = sample_and_evaluate(cfg.model_copy(update={"run_dir": str(copy)}), routing, progress=False)
     # as near every mode's weight as the teacher it learned from: 1000 samples move a mode's mass by ~0.015
     assert student["mode_mass_error"] < own["mode_mass_error"] + 0.03 and student["precision"] > 0.5
+    # `islands eval` judges the student on the data itself, as training did, not on its cluster-labelled view
+    assert main(["eval", str(copy / "distilled"), "--quiet"]) == 0
+    (again,) = json.loads((copy / "distilled" / "metrics.json").read_text()).values()
+    assert again["mode_mass_error"] == pytest.approx(student["mode_mass_error"], rel=1e-6)
     config = yaml.safe_load((copy / "distilled" / "config.yaml").read_text())
     assert config["train"]["objective"] == "distill" and config["train"]["teacher"] == teacher
     assert config["data"]["cluster"] is None

@@ -14,6 +14,12 @@ def build_data(cfg, seed: int) -> Source:
     return ClusterLabelled(source, cluster) if cfg.cluster is None else ClusterSubset(source, cluster, cfg.cluster)
 
 
+def judged_on(source: Source) -> Source:
+    """The data a model trained on `source` is judged against: a router's or a distilled student's examples carry
+    their cluster in the label for training only; samples compare with the data itself."""
+    return source.source if isinstance(source, ClusterLabelled) else source
+
+
 def _build_source(cfg, seed: int) -> Source:
     if cfg.source == "gmm":
         return GMMSource(cfg.means, cfg.std, cfg.weights, size=cfg.size, seed=seed)
@@ -24,4 +30,5 @@ def _build_source(cfg, seed: int) -> Source:
     return build_source(cfg.source, **options)
 
 
-__all__ = ["ClusterLabelled", "ClusterSubset", "DataError", "GaussianMixture", "GMMSource", "Source", "build_data"]
+__all__ = ["ClusterLabelled", "ClusterSubset", "DataError", "GaussianMixture", "GMMSource", "Source", "build_data",
+           "judged_on"]

@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from islands.config import ConfigError, EvalConfig, SampleConfig, revalidate
-from islands.data import build_data
+from islands.data import build_data, judged_on
 from islands.data.gmm import GMMSource
 from islands.data.sources import Source
 from islands.errors import CheckpointError
@@ -201,8 +201,7 @@ def evaluate_target(target: Path, num: int | None = None, steps: int | None = No
     cfg, info = describe_run(run)
     updates = {k: v for k, v in {"metrics": metric_names, "features": features}.items() if v is not None}
     eval_cfg = revalidate(cfg.eval, "eval", **updates)
-    source = build_data(cfg.data, cfg.seed)
-    evaluator = Evaluator(source, eval_cfg, cfg.seed, progress)
+    evaluator = Evaluator(judged_on(build_data(cfg.data, cfg.seed)), eval_cfg, cfg.seed, progress)
     if is_file:
         result = evaluator(from_file(target))
         key, out = target.name, target.parent / "metrics.json"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from islands.data import ClusterLabelled, streams
+from islands.data import judged_on, streams
 from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
 from islands.eval.evaluate import Evaluator, generated
 from islands.generate import generate, sample_labels
@@ -168,9 +168,7 @@ class Evaluation(Reporter):
             if by_t is not None:
                 record.update(val_loss=sum(by_t) / len(by_t), val_loss_by_t=by_t)
         if cfg.eval.metrics != []:
-            # a router or student sees every example through its partition; it is judged on the data itself
-            whole = p.source.source if isinstance(p.source, ClusterLabelled) else p.source
-            self.evaluator = self.evaluator or Evaluator(whole, cfg.eval, cfg.seed)
+            self.evaluator = self.evaluator or Evaluator(judged_on(p.source), cfg.eval, cfg.seed)
             denoiser = p.objective.denoiser(plain)
             batches = generated(denoiser, p.shape, cfg.eval.num, cfg.sample, cfg.seed, p.num_classes)
             record.update({k: v for k, v in self.evaluator(batches, denoiser).items() if isinstance(v, (int, float))})
