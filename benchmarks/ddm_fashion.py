@@ -123,9 +123,9 @@ def monolith_grid(run: Path, out: Path) -> Path:
 
 
 def monolith_fd_by_seed(mono_dir: Path) -> list[float]:
-    """The monolith's FD sampled with the noise of each of SEEDS."""
+    """The FD of one network (the monolith, or the distilled student) sampled with the noise of each of SEEDS."""
     denoiser, mono, info = load_denoiser(mono_dir)
-    evaluator = Evaluator(build_data(mono.data, mono.seed), mono.eval, mono.seed)
+    evaluator = Evaluator(whole_data(mono), mono.eval, mono.seed)
     return [evaluator(generated(denoiser, SHAPE, NUM, mono.sample, seed, info["num_classes"]))["fd"]
             for seed in SEEDS]
 
