@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.common import save, setup, table
 from benchmarks.ddm_gmm import config
-from benchmarks.range_experts import ranges
+from benchmarks.range_experts import gmm_raw, ranges
 from islands.config import validate
 from islands.ddm.ensemble import ancestral_preparation, load_ensemble
 from islands.ddm.pipeline import build_ensemble
@@ -77,7 +77,7 @@ def run() -> dict:
             found[routing] = {"one_process_images_per_s": single_rate, "two_ranks_images_per_s": spread_rate,
                               "ratio": spread_rate / single_rate, "mb_moved": moved, "max_abs_difference": difference}
             rows.append([routing, single_rate, spread_rate, spread_rate / single_rate, moved, difference])
-        run_dir = ranges(Path(tmp) / "ranges", [0.0, 0.5, 1.0], 32_000)
+        run_dir = ranges(gmm_raw(Path(tmp) / "ranges", 32_000), [0.0, 0.5, 1.0])
         gate, range_cfg, _ = load_time_gate(run_dir)
         torch.set_num_threads(2)
         start = time.perf_counter()
