@@ -467,7 +467,7 @@ def test_guidance_runs_inside_each_expert_the_conditional_half_routes(routing):
     the router once per evaluation, by the conditional call."""
     experts = [GuidedExpert(k) for k in range(4)]
     router_calls = []
-    mixture = Mixture([ExpertSlot(NAMES[k], lambda k=k, experts=experts: experts[k]) for k in range(4)],
+    mixture = Mixture([ExpertSlot(NAMES[k], lambda k=k: experts[k]) for k in range(4)],
                       lambda x, t, cond=None: router_calls.append(cond) or label_aware_router(x, t, cond), routing)
     x, t = torch.randn(5, 2, dtype=torch.float64), torch.full((5,), 0.5, dtype=torch.float64)
     labels, scale = torch.tensor([0, 1, 2, 3, 4]), 2.5
