@@ -391,7 +391,7 @@ def devices() -> dict:
     props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
     return {"gpus": [{"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
                       "capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count} for p in props],
-            "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+            "cuda": torch.version.cuda, "nccl": str(torch.cuda.nccl.version())}
 
 
 def train_dits(sizes: Sizes, part: Budget, work: Path, device: torch.device) -> dict:
