@@ -12,7 +12,7 @@ from benchmarks.common import RESULTS
 
 BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "networks", "parallel", "fd_scale",
               "mode_weights", "samplers", "ddm_routing", "routed_sampling", "ddm_gmm", "ddm_fashion", "pipeline",
-              "range_experts", "distributed_sampling", "plan", "error_vs_dimension", "local_updates"]
+              "range_experts", "distributed_sampling", "plan", "error_vs_dimension", "local_updates", "gpu"]
 
 
 def main() -> None:
@@ -30,13 +30,17 @@ def main() -> None:
         start = time.perf_counter()
         result = importlib.import_module(f"benchmarks.{name}").run()
         seconds = time.perf_counter() - start
+        if result.get("skipped"):  # nothing to measure on this machine (gpu without a GPU): nothing written
+            verdicts.append((name, None, seconds))
+            continue
         path = RESULTS / f"{name}.json"  # the run's duration goes with its figures
         path.write_text(json.dumps({**json.loads(path.read_text()), "seconds": round(seconds)}, indent=2) + "\n")
         verdicts.append((name, result["met"], seconds))
         print(f"({seconds:.0f} s; benchmarks/results/{name}.json)", flush=True)
     print("\n== summary ==")
     for name, met, seconds in verdicts:
-        print(f"{name:26s} target {'met' if met else 'NOT met':8s} {seconds:5.0f} s")
+        verdict = "skipped" if met is None else f"target {'met' if met else 'NOT met'}"
+        print(f"{name:26s} {verdict:15s} {seconds:5.0f} s")
     print(f"{'total':26s} {'':15s} {time.perf_counter() - suite_start:5.0f} s")
 
 

@@ -216,9 +216,10 @@ def cached(path: Path, key: str, evaluate):
     return done[key]
 
 
-def save(name: str, result: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def save(name: str, result: dict, path: Path | None = None) -> Path:
+    """Write benchmarks/results/<name>.json, or `path`, with the machine it ran on."""
+    path = path or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": name, "machine": machine(), **result}
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
