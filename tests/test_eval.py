@@ -128,6 +128,35 @@ def test_user_feature_networks_load_from_safetensors_and_refuse_pickles(tmp_path
         load_torch_features("test_eval:tiny_extractor", tmp_path / "evil.safetensors")
 
 
+def own_reference(evaluator: Evaluator) -> np.ndarray:
+    """The mean of the data's features computed with this evaluator's own feature network, not read from a cache."""
+    return metrics.feature_stats(evaluator.features.of_source(evaluator.source)).mean
+
+
+def test_reference_statistics_are_cached_per_feature_network_setting(tmp_path, monkeypatch):
+    """Evaluations that differ only in classifier_epochs, or in a torch extractor's input size or channels, have other
+    features: each is compared with statistics of its own features, never with another's cached ones."""
+    from islands.data.sources import _ArraySource
+
+    monkeypatch.setenv("ISLANDS_CACHE", str(tmp_path))
+    rng = np.random.default_rng(0)
+    data = _ArraySource(torch.from_numpy(rng.uniform(-1, 1, (256, 1, 8, 8)).astype(np.float32)),
+                        torch.arange(256) % 4, 4)
+    by_epochs = [Evaluator(data, EvalConfig(features="classifier", classifier_epochs=e)) for e in (1, 2)]
+    torch.manual_seed(0)
+    save_weights(tiny_extractor().state_dict(), tmp_path / "ext.safetensors")
+    extractor = {"features": "torch", "feature_net": "test_eval:tiny_extractor",
+                 "feature_weights": str(tmp_path / "ext.safetensors"), "feature_channels": 3}
+    by_size = [Evaluator(data, EvalConfig(**extractor, feature_size=size)) for size in (8, 16)]
+    for pair in (by_epochs, by_size):
+        for evaluator in pair:  # the first fills the cache; the second must not read the first's statistics
+            assert np.allclose(evaluator.reference()["stats"].mean, own_reference(evaluator), atol=1e-5)
+    assert len(list((tmp_path / "stats").glob("*.npz"))) == 4
+    names = {load_torch_features("test_eval:tiny_extractor", tmp_path / "ext.safetensors", 8, channels).name
+             for channels in (None, 3)}
+    assert len(names) == 2 and all("test_eval.tiny_extractor" in name for name in names)
+
+
 def gmm_config(run_dir, **eval_keys) -> dict:
     return {"run_dir": str(run_dir), "seed": 5,
             "data": {"source": "gmm", "means": [[1.0, 0.0], [-1.0, 1.0], [0.0, -1.5]], "std": 0.2, "size": 2048},
