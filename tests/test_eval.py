@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import fashion_mnist_or_skip
+from conftest import fashion_mnist_or_skip, tiny_unet_config, write_config
 
 from islands.cli import main
 from islands.config import EvalConfig, validate
@@ -195,19 +195,34 @@ def test_islands_eval_on_a_run_and_on_its_samples_file(gmm_run, tmp_path, capsys
     table = capsys.readouterr().out
     assert "velocity_mse" in table and "metrics.json" in table
     first = json.loads((run / "metrics.json").read_text())
-    assert main(["eval", str(run), "--num", "200", "--batch-size", "7", "--quiet", "--metrics", "fd", "swd"]) == 0
+    assert main(["eval", str(run), "--num", "200", "--batch-size", "7", "--quiet"]) == 0
     entries = json.loads((run / "metrics.json").read_text())
-    assert len(entries) == 1  # the same evaluation, replaced; other keys would be kept beside it
+    assert entries.keys() == first.keys()  # the same evaluation, replaced: the batch size changes nothing
     (key, small_batches), = entries.items()
     (_, big_batches), = first.items()
-    assert small_batches["fd"] == pytest.approx(big_batches["fd"], rel=1e-5)  # batch size changes nothing
-    assert set(small_batches) >= {"fd", "swd"} and "kid" not in small_batches
+    assert small_batches["fd"] == pytest.approx(big_batches["fd"], rel=1e-5)
+    assert main(["eval", str(run), "--num", "200", "--quiet", "--metrics", "swd", "fd"]) == 0
+    entries = json.loads((run / "metrics.json").read_text())
+    assert len(entries) == 2 and entries[key] == small_batches  # other metrics: kept beside the first
+    picked = entries[next(k for k in entries if k != key)]
+    assert set(picked) >= {"fd", "swd"} and "kid" not in picked
 
     out = tmp_path / "samples"
     assert main(["sample", str(run), "--num", "200", "--out", str(out), "--quiet"]) == 0
     assert main(["eval", str(out / "samples.npz"), "--run", str(run), "--quiet", "--metrics", "fd", "nll"]) == 0
-    from_file = json.loads((out / "metrics.json").read_text())["samples.npz"]
+    (from_file,) = json.loads((out / "metrics.json").read_text()).values()
     assert from_file["fd"] == pytest.approx(big_batches["fd"], rel=1e-5)  # the same 200 samples
+
+
+def test_evaluations_with_other_features_are_kept_side_by_side(tmp_path, capsys, image_npz):
+    config = write_config(tmp_path / "c.yaml", tiny_unet_config(tmp_path / "run", image_npz, train={"images": 16}))
+    assert main(["train", config, "--quiet"]) == 0
+    for features in ("pixels", "classifier", "pixels"):
+        assert main(["eval", str(tmp_path / "run"), "--features", features, "--num", "8", "--steps", "2",
+                     "--quiet"]) == 0
+    entries = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert sorted(entry["features"].split("-")[0] for entry in entries.values()) == ["classifier", "pixels"]
+    assert all(f"features={entry['features']} " in key for key, entry in entries.items())
 
 
 def test_islands_eval_names_bad_targets_and_metrics(gmm_run, tmp_path, capsys):

@@ -204,7 +204,7 @@ def evaluate_target(target: Path, num: int | None = None, steps: int | None = No
     evaluator = Evaluator(judged_on(build_data(cfg.data, cfg.seed)), eval_cfg, cfg.seed, progress)
     if is_file:
         result = evaluator(from_file(target))
-        key, out = target.name, target.parent / "metrics.json"
+        key, out = entry_key(f"{target.name} run={run.resolve()}", evaluator), target.parent / "metrics.json"
     else:
         denoiser, cfg, info = load_denoiser(run)
         opts = cfg.sample.model_copy(update={k: v for k, v in {"steps": steps, "batch_size": batch_size}.items()
@@ -214,11 +214,19 @@ def evaluate_target(target: Path, num: int | None = None, steps: int | None = No
         batches = generated(denoiser, tuple(info["shape"]), num, opts, cfg.seed, info["num_classes"], progress)
         result = evaluator(timed(batches, clock), denoiser)
         result["seconds_per_sample"] = clock["seconds"] / num
-        images = int(latest_checkpoint(run).name)
-        key = (f"images={images} num={num} steps={opts.steps} solver={opts.solver} guidance={opts.guidance} "
-               f"precision={opts.precision}")
+        key = entry_key(f"images={int(latest_checkpoint(run).name)}", evaluator, num, opts)
         out = run / "metrics.json"
     return record(out, key, result), out
+
+
+def entry_key(subject: str, evaluator: Evaluator, num: int | None = None, opts: SampleConfig | None = None) -> str:
+    """metrics.json's key of one evaluation of `subject` (a checkpoint, a samples file, an ensemble): everything that
+    changes its numbers, so that another evaluation is kept beside it, and the same one replaces it. The batch size
+    changes nothing and is left out."""
+    sampled = [] if opts is None else [f"num={num}", f"steps={opts.steps}", f"solver={opts.solver}",
+                                       f"grid={opts.grid}", f"guidance={opts.guidance}", f"precision={opts.precision}"]
+    asked = ",".join(sorted(evaluator.cfg.metrics)) if evaluator.cfg.metrics else "all"
+    return " ".join([subject, *sampled, f"features={evaluator.features.name}", f"metrics={asked}"])
 
 
 def record(path: Path, key: str, result: dict) -> dict:

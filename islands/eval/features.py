@@ -103,6 +103,7 @@ def train_classifier(source: Source, seed: int = 0, epochs: int = 2, batch: int 
     """Cross-entropy with AdamW; the initial weights and the order of examples come from `seed` alone."""
     if not source.num_classes or len(source.shape) != 3:
         raise ConfigError(f"eval.features: 'classifier' needs labelled images; {source!r} has none")
+    batch = min(batch, len(source))  # a data set smaller than one batch is one batch, not zero steps
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
