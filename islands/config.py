@@ -54,6 +54,8 @@ class FolderData(_Data):
     path: str
     resolution: int = Field(gt=0)
     channels: Literal[1, 3] = 3
+    # The grey level (0 black to 255 white) that images with transparency are composited onto; None: white.
+    background: int | None = Field(None, ge=0, le=255)
 
 
 class NpzData(_Data):
