@@ -119,6 +119,11 @@ def train_members(cfg: Config, jobs: int = 1, progress: bool = True) -> None:
             run_members(root, [monolith], cores, progress)
 
 
+def backdrop(source):
+    """Vectors: the data's first 2000 examples (or all of a smaller set), drawn behind the samples; images: none."""
+    return source.get(list(range(min(2000, len(source)))))[0] if len(source.shape) == 1 else None
+
+
 def picture_name(routing: str) -> str:
     """A file name for a policy's sample grid: ancestral_then:topk:2@0.5 -> ancestral_then-topk-2-at-0.5."""
     return routing.replace(":", "-").replace("@", "-at-")
@@ -151,8 +156,8 @@ def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: b
     result["router_evaluations_per_sample"] = sampling["router"] / cfg.eval.num
     grid = next(generated(mixture, shape, min(64, cfg.sample.num), opts, cfg.seed, num_classes,
                           prepare=prepare))[0]
-    save_samples_picture(grid, root / "samples" / f"{picture_name(routing)}.png", source.get(list(range(2000)))[0]
-                         if len(shape) == 1 else None, f"ensemble, {routing} routing")
+    save_samples_picture(grid, root / "samples" / f"{picture_name(routing)}.png", backdrop(source),
+                         f"ensemble, {routing} routing")
     # the manifest's hash names the members and their checkpoints
     subject = f"ensemble manifest={file_sha256(root / MANIFEST)[:16]} routing={routing}"
     return record(root / "metrics.json", entry_key(subject, evaluator, cfg.eval.num, opts), result)
@@ -183,8 +188,7 @@ def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) ->
     num = min(64, cfg.sample.num)
     grids = {f"ensemble ({DEFAULT_ROUTING})": root / "samples" / f"{picture_name(DEFAULT_ROUTING)}.png"}
     mono_grid = next(generated(denoiser, shape, num, cfg.sample, cfg.seed, cfg.model.num_classes))[0]
-    grids["monolith"] = save_samples_picture(mono_grid, root / "samples" / "monolith.png",
-                                             source.get(list(range(2000)))[0] if len(shape) == 1 else None)
+    grids["monolith"] = save_samples_picture(mono_grid, root / "samples" / "monolith.png", backdrop(source))
     save_side_by_side(grids, root / "comparison.png", "the experts and the router together cost what the monolith "
                       "costs; the same noise for both")
     names = [k for k, v in ensemble.items() if isinstance(v, (int, float)) and k in monolith]
