@@ -80,8 +80,7 @@ def _sample(args) -> int:
     else:
         denoiser, cfg, info = load_denoiser(Path(args.run_dir), use_ema=not args.no_ema)
     opts = _sample_options(cfg, args)
-    if args.class_label is not None and not 0 <= args.class_label < max(info["num_classes"], 1):
-        raise ConfigError(f"--class: {args.class_label} is not a class of this model ({info['num_classes']} classes)")
+    _check_class(args.class_label, info["num_classes"])
     if args.threads:
         torch.set_num_threads(args.threads)
     labels = sample_labels(args.num, info["num_classes"], args.class_label)
@@ -92,6 +91,11 @@ def _sample(args) -> int:
     for path in write_samples(x, labels, Path(args.out)):
         print(f"wrote {path}")
     return 0
+
+
+def _check_class(label: int | None, num_classes: int) -> None:
+    if label is not None and not 0 <= label < max(num_classes, 1):
+        raise ConfigError(f"--class: {label} is not a class of this model ({num_classes} classes)")
 
 
 def _sample_ensemble(args) -> int:
@@ -112,6 +116,7 @@ def _sample_ensemble(args) -> int:
     mixture, manifest = load_ensemble(Path(args.run_dir), args.routing or DEFAULT_ROUTING, args.max_loaded, cfg.seed)
     shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)  # load_ensemble ensured one
     num_classes = cfg.model.num_classes
+    _check_class(args.class_label, num_classes)
     opts = _sample_options(cfg, args)
     opts = opts.model_copy(update={"batch_size": mixture.plan_sampling(opts.batch_size)})
     seed = cfg.seed if args.seed is None else args.seed
@@ -170,8 +175,6 @@ def _ddm(args) -> int:
         for path in emit_scripts(cfg, args.emit):
             print(f"wrote {path}")
         return 0
-    if args.jobs < 1:
-        raise ConfigError(f"--jobs: {args.jobs} must be at least 1")
     run_ddm(cfg, args.jobs, progress=not args.quiet)
     print(f"ensemble: {cfg.run_dir} (ensemble.json, samples/, metrics.json)")
     return 0
@@ -367,6 +370,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options that count something and must be at least 1, checked before anything runs (argparse's own refusal would
+# print its usage on a second line).
+COUNTS = ("num", "steps", "batch_size", "max_loaded", "threads", "jobs", "ranks")
+
+
+def _check_counts(args) -> None:
+    for name in COUNTS:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: {value} must be at least 1")
+
+
 @contextlib.contextmanager
 def warnings_as_lines():
     """Islands' warnings as one line a person reads (`islands: warning: ...`), not Python's report of a source file
@@ -394,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with warnings_as_lines():
+            _check_counts(args)
             return args.func(args)
     except ConfigError as err:
         print(f"islands: config error: {err}", file=sys.stderr)

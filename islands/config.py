@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from islands.errors import ConfigError
 
@@ -54,6 +54,8 @@ class FolderData(_Data):
     path: str
     resolution: int = Field(gt=0)
     channels: Literal[1, 3] = 3
+    # The grey level (0 black to 255 white) that images with transparency are composited onto; None: white.
+    background: int | None = Field(None, ge=0, le=255)
 
 
 class NpzData(_Data):
@@ -234,6 +236,8 @@ class TrainConfig(Section):
     def _check(self):
         if self.batch_size % self.accumulate:
             raise ValueError(f"batch_size: {self.batch_size} is not divisible by accumulate={self.accumulate}")
+        if self.images < self.batch_size:  # the run would take one whole batch anyway, more than it was told
+            raise ValueError(f"images: {self.images} is fewer than one batch (train.batch_size={self.batch_size})")
         return self
 
 
@@ -245,6 +249,11 @@ class SampleConfig(Section):
     guidance: float = Field(1.0, ge=0)
     batch_size: int = Field(256, gt=0)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: the networks' matmuls under autocast; the ODE stays fp32
+
+
+# The fewest samples a metric is computed from: KID's standard error needs 4; precision/recall's radius is each
+# sample's distance to its 3rd nearest other sample; a covariance (FD) needs 2.
+MIN_SAMPLES = {"kid": 4, "precision_recall": 4, "fd": 2}
 
 
 class EvalConfig(Section):
@@ -259,6 +268,16 @@ class EvalConfig(Section):
     classifier_epochs: int = Field(2, gt=0)
     val_size: int = Field(256, ge=0)  # examples of the fixed validation probe; 0: no validation loss
     val_times: int = Field(8, gt=0)  # stratified times t = (k + 0.5) / val_times at which each is scored
+
+    @model_validator(mode="after")
+    def _check_num(self):
+        """Refused here, not after training: a run's evaluations need enough samples for the metrics they compute."""
+        asked = self.metrics if self.metrics is not None else list(MIN_SAMPLES)  # None: every metric that applies
+        short = [m for m in asked if self.num < MIN_SAMPLES.get(m, 1)]
+        if short:
+            fewest = max(MIN_SAMPLES[m] for m in short)
+            raise ValueError(f"num: {self.num} samples are too few for {', '.join(short)} (at least {fewest})")
+        return self
 
 
 class PartitionConfig(Section):
@@ -288,6 +307,12 @@ class RouterConfig(Section):
     ema_fraction: float = Field(0.1, ge=0)
     batch_size: int = Field(64, gt=0)
     lr: float = Field(5e-4, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.images is not None and self.images < self.batch_size:
+            raise ValueError(f"images: {self.images} is fewer than one batch (ddm.router.batch_size={self.batch_size})")
+        return self
 
 
 class DDMConfig(Section):
@@ -373,6 +398,16 @@ class Config(Section):
     parallel: ParallelConfig = ParallelConfig()
     eval: EvalConfig = EvalConfig()
     ddm: DDMConfig = DDMConfig()
+
+    @field_validator("run_dir")
+    @classmethod
+    def _a_folder(cls, run_dir: str) -> str:
+        """A file where the run's folder (or a folder above it) would go stops the run at its first write."""
+        path = Path(run_dir)
+        existing = next((p for p in (path, *path.parents) if p.exists()), path)
+        if existing.exists() and not existing.is_dir():
+            raise ValueError(f"{'names a file' if existing == path else f'{existing} is a file'}, not a folder")
+        return run_dir
 
     @model_validator(mode="before")
     @classmethod

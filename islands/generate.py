@@ -5,6 +5,7 @@ whatever the batch size or the number of samples asked for.
 """
 
 import contextlib
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from tqdm import tqdm
 
 from islands.config import Config, SampleConfig
 from islands.data import streams
-from islands.errors import CheckpointError
+from islands.errors import CheckpointError, IslandsWarning
 from islands.flow.denoiser import Denoiser, NetworkDenoiser
 from islands.flow.paths import build_path
 from islands.flow.samplers import sample
@@ -88,9 +89,14 @@ def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleC
 
 
 def write_samples(x: torch.Tensor, labels: torch.Tensor | None, out_dir: Path) -> list[Path]:
-    """out_dir/samples.npz (array x, float32, data space; y when conditional) and a picture."""
+    """out_dir/samples.npz (array x, float32, data space; y when conditional) and a picture. Samples that are not
+    finite are written too (they are what the model made), and counted in a warning."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    broken = int((~torch.isfinite(x.flatten(1))).any(1).sum())
+    if broken:  # counted before clamping, which would turn an infinity into a valid-looking pixel
+        warnings.warn(f"{broken} of {len(x)} samples are not finite (NaN or infinity); written to "
+                      f"{out_dir / 'samples.npz'} all the same", IslandsWarning, stacklevel=2)
     if x.dim() == 4:  # images live in [-1, 1]; the ODE can overshoot it slightly
         x = x.clamp(-1, 1)
     arrays = {"x": x.numpy().astype(np.float32)}

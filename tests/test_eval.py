@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import fashion_mnist_or_skip
+from conftest import fashion_mnist_or_skip, tiny_unet_config, write_config
 
 from islands.cli import main
 from islands.config import EvalConfig, validate
@@ -128,6 +128,35 @@ def test_user_feature_networks_load_from_safetensors_and_refuse_pickles(tmp_path
         load_torch_features("test_eval:tiny_extractor", tmp_path / "evil.safetensors")
 
 
+def own_reference(evaluator: Evaluator) -> np.ndarray:
+    """The mean of the data's features computed with this evaluator's own feature network, not read from a cache."""
+    return metrics.feature_stats(evaluator.features.of_source(evaluator.source)).mean
+
+
+def test_reference_statistics_are_cached_per_feature_network_setting(tmp_path, monkeypatch):
+    """Evaluations that differ only in classifier_epochs, or in a torch extractor's input size or channels, have other
+    features: each is compared with statistics of its own features, never with another's cached ones."""
+    from islands.data.sources import _ArraySource
+
+    monkeypatch.setenv("ISLANDS_CACHE", str(tmp_path))
+    rng = np.random.default_rng(0)
+    data = _ArraySource(torch.from_numpy(rng.uniform(-1, 1, (256, 1, 8, 8)).astype(np.float32)),
+                        torch.arange(256) % 4, 4)
+    by_epochs = [Evaluator(data, EvalConfig(features="classifier", classifier_epochs=e)) for e in (1, 2)]
+    torch.manual_seed(0)
+    save_weights(tiny_extractor().state_dict(), tmp_path / "ext.safetensors")
+    extractor = {"features": "torch", "feature_net": "test_eval:tiny_extractor",
+                 "feature_weights": str(tmp_path / "ext.safetensors"), "feature_channels": 3}
+    by_size = [Evaluator(data, EvalConfig(**extractor, feature_size=size)) for size in (8, 16)]
+    for pair in (by_epochs, by_size):
+        for evaluator in pair:  # the first fills the cache; the second must not read the first's statistics
+            assert np.allclose(evaluator.reference()["stats"].mean, own_reference(evaluator), atol=1e-5)
+    assert len(list((tmp_path / "stats").glob("*.npz"))) == 4
+    names = {load_torch_features("test_eval:tiny_extractor", tmp_path / "ext.safetensors", 8, channels).name
+             for channels in (None, 3)}
+    assert len(names) == 2 and all("test_eval.tiny_extractor" in name for name in names)
+
+
 def gmm_config(run_dir, **eval_keys) -> dict:
     return {"run_dir": str(run_dir), "seed": 5,
             "data": {"source": "gmm", "means": [[1.0, 0.0], [-1.0, 1.0], [0.0, -1.5]], "std": 0.2, "size": 2048},
@@ -166,19 +195,34 @@ def test_islands_eval_on_a_run_and_on_its_samples_file(gmm_run, tmp_path, capsys
     table = capsys.readouterr().out
     assert "velocity_mse" in table and "metrics.json" in table
     first = json.loads((run / "metrics.json").read_text())
-    assert main(["eval", str(run), "--num", "200", "--batch-size", "7", "--quiet", "--metrics", "fd", "swd"]) == 0
+    assert main(["eval", str(run), "--num", "200", "--batch-size", "7", "--quiet"]) == 0
     entries = json.loads((run / "metrics.json").read_text())
-    assert len(entries) == 1  # the same evaluation, replaced; other keys would be kept beside it
+    assert entries.keys() == first.keys()  # the same evaluation, replaced: the batch size changes nothing
     (key, small_batches), = entries.items()
     (_, big_batches), = first.items()
-    assert small_batches["fd"] == pytest.approx(big_batches["fd"], rel=1e-5)  # batch size changes nothing
-    assert set(small_batches) >= {"fd", "swd"} and "kid" not in small_batches
+    assert small_batches["fd"] == pytest.approx(big_batches["fd"], rel=1e-5)
+    assert main(["eval", str(run), "--num", "200", "--quiet", "--metrics", "swd", "fd"]) == 0
+    entries = json.loads((run / "metrics.json").read_text())
+    assert len(entries) == 2 and entries[key] == small_batches  # other metrics: kept beside the first
+    picked = entries[next(k for k in entries if k != key)]
+    assert set(picked) >= {"fd", "swd"} and "kid" not in picked
 
     out = tmp_path / "samples"
     assert main(["sample", str(run), "--num", "200", "--out", str(out), "--quiet"]) == 0
     assert main(["eval", str(out / "samples.npz"), "--run", str(run), "--quiet", "--metrics", "fd", "nll"]) == 0
-    from_file = json.loads((out / "metrics.json").read_text())["samples.npz"]
+    (from_file,) = json.loads((out / "metrics.json").read_text()).values()
     assert from_file["fd"] == pytest.approx(big_batches["fd"], rel=1e-5)  # the same 200 samples
+
+
+def test_evaluations_with_other_features_are_kept_side_by_side(tmp_path, capsys, image_npz):
+    config = write_config(tmp_path / "c.yaml", tiny_unet_config(tmp_path / "run", image_npz, train={"images": 16}))
+    assert main(["train", config, "--quiet"]) == 0
+    for features in ("pixels", "classifier", "pixels"):
+        assert main(["eval", str(tmp_path / "run"), "--features", features, "--num", "8", "--steps", "2",
+                     "--quiet"]) == 0
+    entries = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert sorted(entry["features"].split("-")[0] for entry in entries.values()) == ["classifier", "pixels"]
+    assert all(f"features={entry['features']} " in key for key, entry in entries.items())
 
 
 def test_islands_eval_names_bad_targets_and_metrics(gmm_run, tmp_path, capsys):

@@ -404,3 +404,19 @@ def test_velocity_error_follows_the_midpoint_rule_and_the_path():
     expected = second_moment * float((1 - midpoints).square().mean()) + GMM.dim * float(midpoints.square().mean())
     error = velocity_error(lambda x, t, cond=None: exact(x, t) + x, GMM, num=4096, times=times, seed=5)
     assert error == pytest.approx(expected, rel=0.03)
+
+
+def test_the_config_asks_for_exactly_the_samples_each_metric_needs():
+    """eval.num is refused below MIN_SAMPLES (config.py, which cannot import the metrics): each metric runs on that
+    many samples and refuses one fewer."""
+    from islands.config import MIN_SAMPLES
+
+    real = np.random.default_rng(0).standard_normal((64, 3))
+    run = {"kid": lambda fake: metrics.kid(real, fake), "precision_recall": lambda fake: metrics.precision_recall(
+        real, fake), "fd": lambda fake: metrics.frechet_distance(metrics.feature_stats(fake),
+                                                                 metrics.feature_stats(real))}
+    assert set(run) == set(MIN_SAMPLES)
+    for name, fewest in MIN_SAMPLES.items():
+        run[name](real[:fewest] + 0.1)
+        with pytest.raises(ValueError):
+            run[name](real[:fewest - 1] + 0.1)

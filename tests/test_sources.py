@@ -230,6 +230,25 @@ def test_folder_resize_then_centre_crop(tmp_path):
     assert x[0, 0, :, 2:-2].min() > 0.9  # interior is white; only edges may blur
 
 
+@pytest.mark.parametrize("background", [None, 0, 100])
+@pytest.mark.parametrize("channels", [1, 3])
+def test_folder_composites_transparent_images_on_the_background(tmp_path, background, channels):
+    """Under a transparent pixel lies red that nobody sees: it must become the background (white by default), a
+    half-transparent black pixel the mean of black and the background, an opaque one stay itself."""
+    rgba = np.zeros((4, 4, 4), np.uint8)
+    rgba[:, :2] = (255, 0, 0, 0)  # transparent red
+    rgba[:, 2] = (0, 0, 0, 255)  # opaque black
+    rgba[:, 3] = (0, 0, 0, 128)  # half-transparent black
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "icon.png")
+    src = build_source("folder", path=tmp_path, resolution=4, channels=channels, background=background)
+    x = (src.get([0])[0][0] + 1) * 127.5  # back to 0..255
+    grey = 255 if background is None else background
+    assert x.shape == (channels, 4, 4)
+    assert torch.allclose(x[:, :, :2], torch.tensor(float(grey)), atol=0.51)
+    assert torch.allclose(x[:, :, 2], torch.tensor(0.0), atol=0.51)
+    assert torch.allclose(x[:, :, 3], torch.tensor(grey * 127 / 255), atol=1.01)
+
+
 def test_folder_unlabeled_when_images_at_root(image_tree):
     save_image(image_tree / "root.png", (10, 10), (1, 2, 3))
     src = ImageFolder(image_tree, resolution=4)

@@ -258,13 +258,16 @@ class FashionMnist(_ArraySource):
 class ImageFolder(Source):
     """All PNG/JPEG files under `path` (recursive, hidden names skipped). If every
     image sits inside an immediate subfolder, the sorted subfolder names are the
-    classes; otherwise the source is unlabeled."""
+    classes; otherwise the source is unlabeled. Images with transparency (RGBA,
+    LA, a palette or grey level marked transparent) are composited onto the grey
+    level `background` (None: white, 255) before their alpha is dropped."""
 
-    def __init__(self, path, resolution, channels=3):
+    def __init__(self, path, resolution, channels=3, background=None):
         self.resolution = _check_resolution(resolution, required=True)
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {channels!r}")
         self.channels = channels
+        self.background = 255 if background is None else int(background)
         self.root = os.fspath(path)
         if not os.path.exists(self.root):
             raise DataError(f"image folder {self.root} does not exist")
@@ -308,6 +311,10 @@ class ImageFolder(Source):
         try:
             with Image.open(path) as img:
                 img = ImageOps.exif_transpose(img)  # phone photos store rotation in EXIF
+                if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
+                    # what lies under a transparent pixel is arbitrary (often black): show the background instead
+                    canvas = Image.new("RGBA", img.size, (self.background,) * 3 + (255,))
+                    img = Image.alpha_composite(canvas, img.convert("RGBA"))
                 img = img.convert("L" if self.channels == 1 else "RGB")
         except Exception as e:  # decoders of damaged files raise all sorts of things
             # Pillow often repeats the file name in its message; we already lead with it

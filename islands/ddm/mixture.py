@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from islands.errors import IslandsWarning
+from islands.errors import ConfigError, IslandsWarning
 from islands.flow.denoiser import Denoiser, broadcast
 
 ROUTINGS = ("ancestral", "full", "top1", "topk:K", "nucleus:P", "sample", "ancestral_then:topk:K@T")
@@ -142,11 +142,12 @@ class Mixture(nn.Module):
         if not any(slot.available for slot in self.slots):
             raise ValueError(f"no expert is available among {[slot.name for slot in self.slots]}")
         if self.routing.top_k > len(self.slots):
-            raise ValueError(f"--routing: 'topk:{self.routing.top_k}' selects more than the {len(self.slots)} experts")
+            raise ConfigError(f"--routing: 'topk:{self.routing.top_k}' selects more than the {len(self.slots)} "
+                              "experts")
         if router is None and self.routing.needs_router:
             raise ValueError(f"routing {self.routing.policy!r} needs a router")
         if max_loaded is not None and max_loaded < 1:
-            raise ValueError(f"max_loaded must be >= 1 or None, got {max_loaded}")
+            raise ConfigError(f"--max-loaded: {max_loaded} must be at least 1")
         self.router = router
         self.max_loaded = max_loaded
         self.generator = torch.Generator().manual_seed(seed)

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from islands.config import ConfigError
 from islands.data.sources import Source
+from islands.errors import DataError
 from islands.eval.features import Features, Pixels, data_fingerprint
 from islands.images import save_grid
 from islands.rundir import atomic_write, atomic_write_text, read_npz
@@ -33,8 +34,8 @@ ARRAY_NAMES = ("cluster", "fine_centroids", "coarse_centroids", "fine_assignment
 READ_BATCH = 4096
 
 
-class PartitionError(ValueError):
-    """A saved partition is missing, unreadable or inconsistent, or belongs to other data."""
+class PartitionError(DataError):
+    """A saved partition is missing, unreadable or inconsistent, or belongs to other data (one line, exit status 2)."""
 
 
 # --- k-means ------------------------------------------------------------------------------------------------------

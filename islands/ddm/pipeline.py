@@ -13,7 +13,7 @@ from pathlib import Path
 
 from islands.config import Config, ConfigError, revalidate
 from islands.data import build_data
-from islands.ddm.ensemble import ancestral_preparation, load_ensemble, write_manifest
+from islands.ddm.ensemble import MANIFEST, ancestral_preparation, file_sha256, load_ensemble, write_manifest
 from islands.ddm.members import Member, run_members
 from islands.ddm.mixture import DEFAULT_ROUTING
 from islands.ddm.partition import Partition, partition, save_cluster_picture
@@ -26,7 +26,7 @@ from islands.ddm.runs import (
     partition_dir,
     router_dir,
 )
-from islands.eval.evaluate import Evaluator, build_features, format_table, generated, record, timed
+from islands.eval.evaluate import Evaluator, build_features, entry_key, format_table, generated, record, timed
 from islands.flow.samplers import evaluations_per_sample
 from islands.generate import load_denoiser
 from islands.images import save_samples_picture, save_side_by_side
@@ -119,6 +119,11 @@ def train_members(cfg: Config, jobs: int = 1, progress: bool = True) -> None:
             run_members(root, [monolith], cores, progress)
 
 
+def backdrop(source):
+    """Vectors: the data's first 2000 examples (or all of a smaller set), drawn behind the samples; images: none."""
+    return source.get(list(range(min(2000, len(source)))))[0] if len(source.shape) == 1 else None
+
+
 def picture_name(routing: str) -> str:
     """A file name for a policy's sample grid: ancestral_then:topk:2@0.5 -> ancestral_then-topk-2-at-0.5."""
     return routing.replace(":", "-").replace("@", "-at-")
@@ -151,11 +156,11 @@ def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: b
     result["router_evaluations_per_sample"] = sampling["router"] / cfg.eval.num
     grid = next(generated(mixture, shape, min(64, cfg.sample.num), opts, cfg.seed, num_classes,
                           prepare=prepare))[0]
-    save_samples_picture(grid, root / "samples" / f"{picture_name(routing)}.png", source.get(list(range(2000)))[0]
-                         if len(shape) == 1 else None, f"ensemble, {routing} routing")
-    key = (f"ensemble routing={routing} num={cfg.eval.num} steps={cfg.sample.steps} solver={cfg.sample.solver} "
-           f"precision={cfg.sample.precision}")
-    return record(root / "metrics.json", key, result)
+    save_samples_picture(grid, root / "samples" / f"{picture_name(routing)}.png", backdrop(source),
+                         f"ensemble, {routing} routing")
+    # the manifest's hash names the members and their checkpoints
+    subject = f"ensemble manifest={file_sha256(root / MANIFEST)[:16]} routing={routing}"
+    return record(root / "metrics.json", entry_key(subject, evaluator, cfg.eval.num, opts), result)
 
 
 def training_flops(run: Path) -> float:
@@ -171,17 +176,19 @@ def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) ->
     source = whole_data(cfg)
     clock = {}
     batches = generated(denoiser, shape, cfg.eval.num, cfg.sample, cfg.seed, cfg.model.num_classes, progress)
-    monolith = Evaluator(source, cfg.eval, cfg.seed, progress)(timed(batches, clock), denoiser)
+    evaluator = Evaluator(source, cfg.eval, cfg.seed, progress)
+    monolith = evaluator(timed(batches, clock), denoiser)
     monolith["seconds_per_sample"] = clock["seconds"] / cfg.eval.num
     monolith["expert_evaluations_per_sample"] = evaluations_per_sample(
         cfg.sample.solver, cfg.sample.steps, cfg.sample.guidance if cfg.model.num_classes else 1.0)
     ensemble = {**ensemble, "training_flops": ensemble_training_flops(cfg)}
     monolith["training_flops"] = training_flops(Path(mono.run_dir))
+    subject = f"monolith images={int(latest_checkpoint(Path(mono.run_dir)).name)}"
+    record(root / "metrics.json", entry_key(subject, evaluator, cfg.eval.num, cfg.sample), monolith)
     num = min(64, cfg.sample.num)
     grids = {f"ensemble ({DEFAULT_ROUTING})": root / "samples" / f"{picture_name(DEFAULT_ROUTING)}.png"}
     mono_grid = next(generated(denoiser, shape, num, cfg.sample, cfg.seed, cfg.model.num_classes))[0]
-    grids["monolith"] = save_samples_picture(mono_grid, root / "samples" / "monolith.png",
-                                             source.get(list(range(2000)))[0] if len(shape) == 1 else None)
+    grids["monolith"] = save_samples_picture(mono_grid, root / "samples" / "monolith.png", backdrop(source))
     save_side_by_side(grids, root / "comparison.png", "the experts and the router together cost what the monolith "
                       "costs; the same noise for both")
     names = [k for k, v in ensemble.items() if isinstance(v, (int, float)) and k in monolith]

@@ -90,8 +90,9 @@ def router_config(cfg: Config) -> Config:
                  {"hidden_size": r.hidden_size, "num_heads": r.num_heads, "patch_size": r.patch_size})
     train = {"objective": "router", "batch_size": r.batch_size, "lr": r.lr, "accumulate": 1, "warmup_images": 0,
              "ema_halflife_images": 0.0, "sample_every": 0}
-    router = _derived(cfg, router_dir(cfg), replace={"model": model, "eval": {}},
-                      data={"partition": str(partition_dir(cfg)), "cluster": None}, train={**train, "images": 1})
+    router = _derived(cfg, router_dir(cfg), replace={"model": model, "eval": {}},  # images: one batch, set below
+                      data={"partition": str(partition_dir(cfg)), "cluster": None},
+                      train={**train, "images": r.batch_size})
     images = r.images or router_images(cfg, router)
     # no EDM ramp-up: it would cap the half-life at train.ema_rampup (5%) of the images, whatever ema_fraction says
     train = {"images": images, "checkpoint_every": images, "ema_halflife_images": r.ema_fraction * images,

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from islands.config import ConfigError, EvalConfig, SampleConfig, revalidate
+from islands.config import MIN_SAMPLES, ConfigError, EvalConfig, SampleConfig, revalidate
 from islands.data import build_data, judged_on
 from islands.data.gmm import GMMSource
 from islands.data.sources import Source
-from islands.errors import CheckpointError
+from islands.errors import CheckpointError, DataError
 from islands.eval import exact, metrics
 from islands.eval.features import (
     ClassifierFeatures,
@@ -110,6 +110,10 @@ class Evaluator:
             if labels is not None:
                 asked.append(labels)
         feats = torch.cat(feats)
+        short = [m for m in names if len(feats) < MIN_SAMPLES.get(m, 1)]
+        if short:  # a samples file may hold fewer than eval.num would allow
+            raise DataError(f"{len(feats)} samples are too few for {', '.join(short)} "
+                            f"(at least {max(MIN_SAMPLES[m] for m in short)}); choose other --metrics")
         ref = self.reference()
         out = {"num_samples": len(feats), "features": self.features.name}
         if "fd" in names:
@@ -199,26 +203,37 @@ def evaluate_target(target: Path, num: int | None = None, steps: int | None = No
         raise CheckpointError(f"{target} does not exist")
     run = Path(run_dir) if run_dir else (find_run(target) if is_file else target)
     cfg, info = describe_run(run)
-    updates = {k: v for k, v in {"metrics": metric_names, "features": features}.items() if v is not None}
-    eval_cfg = revalidate(cfg.eval, "eval", **updates)
+    updates = {k: v for k, v in {"metrics": metric_names, "features": features, "num": num}.items() if v is not None}
+    eval_cfg = revalidate(cfg.eval, "eval", **updates)  # --num too: the metrics asked for need enough samples
     evaluator = Evaluator(judged_on(build_data(cfg.data, cfg.seed)), eval_cfg, cfg.seed, progress)
     if is_file:
-        result = evaluator(from_file(target))
-        key, out = target.name, target.parent / "metrics.json"
+        try:
+            result = evaluator(from_file(target))
+        except DataError as err:
+            raise DataError(f"{target}: {err}") from None
+        key, out = entry_key(f"{target.name} run={run.resolve()}", evaluator), target.parent / "metrics.json"
     else:
         denoiser, cfg, info = load_denoiser(run)
         opts = cfg.sample.model_copy(update={k: v for k, v in {"steps": steps, "batch_size": batch_size}.items()
                                              if v is not None})
-        num = num or eval_cfg.num
+        num = eval_cfg.num
         clock = {}
         batches = generated(denoiser, tuple(info["shape"]), num, opts, cfg.seed, info["num_classes"], progress)
         result = evaluator(timed(batches, clock), denoiser)
         result["seconds_per_sample"] = clock["seconds"] / num
-        images = int(latest_checkpoint(run).name)
-        key = (f"images={images} num={num} steps={opts.steps} solver={opts.solver} guidance={opts.guidance} "
-               f"precision={opts.precision}")
+        key = entry_key(f"images={int(latest_checkpoint(run).name)}", evaluator, num, opts)
         out = run / "metrics.json"
     return record(out, key, result), out
+
+
+def entry_key(subject: str, evaluator: Evaluator, num: int | None = None, opts: SampleConfig | None = None) -> str:
+    """metrics.json's key of one evaluation of `subject` (a checkpoint, a samples file, an ensemble): everything that
+    changes its numbers, so that another evaluation is kept beside it, and the same one replaces it. The batch size
+    changes nothing and is left out."""
+    sampled = [] if opts is None else [f"num={num}", f"steps={opts.steps}", f"solver={opts.solver}",
+                                       f"grid={opts.grid}", f"guidance={opts.guidance}", f"precision={opts.precision}"]
+    asked = ",".join(sorted(evaluator.cfg.metrics)) if evaluator.cfg.metrics else "all"
+    return " ".join([subject, *sampled, f"features={evaluator.features.name}", f"metrics={asked}"])
 
 
 def record(path: Path, key: str, result: dict) -> dict:

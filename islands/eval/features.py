@@ -83,9 +83,11 @@ class Classifier(nn.Module):
 
 
 class ClassifierFeatures(Features):
-    def __init__(self, net: Classifier, fingerprint: str, seed: int):
+    def __init__(self, net: Classifier, fingerprint: str, seed: int, epochs: int):
         self.net = net.eval()
-        self.name = f"classifier-{fingerprint[:16]}-seed{seed}"
+        # everything that made the classifier: its data, seed and training length (reference statistics and
+        # metrics.json entries are keyed on this name)
+        self.name = f"classifier-{fingerprint[:16]}-seed{seed}-epochs{epochs}"
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +103,7 @@ def train_classifier(source: Source, seed: int = 0, epochs: int = 2, batch: int 
     """Cross-entropy with AdamW; the initial weights and the order of examples come from `seed` alone."""
     if not source.num_classes or len(source.shape) != 3:
         raise ConfigError(f"eval.features: 'classifier' needs labelled images; {source!r} has none")
+    batch = min(batch, len(source))  # a data set smaller than one batch is one batch, not zero steps
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -124,7 +127,7 @@ def train_classifier(source: Source, seed: int = 0, epochs: int = 2, batch: int 
 
 
 def accuracy(net: Classifier, source: Source) -> float:
-    features = ClassifierFeatures(net, "", 0)
+    features = ClassifierFeatures(net, "", 0, 0)
     correct = 0
     for lo in range(0, len(source), BATCH):
         x, y = source.get(list(range(lo, min(len(source), lo + BATCH))))
@@ -143,11 +146,11 @@ def load_classifier(source: Source, seed: int = 0, epochs: int = 2, progress: bo
             cached_for = (f.metadata() or {}).get("data_sha256")
         if cached_for == fingerprint:
             net.load_state_dict(load_weights(path))
-            return ClassifierFeatures(net, fingerprint, seed)
+            return ClassifierFeatures(net, fingerprint, seed, epochs)
     net = train_classifier(source, seed, epochs, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_weights(net.state_dict(), path, {"data_sha256": fingerprint, "seed": seed, "epochs": epochs})
-    return ClassifierFeatures(net, fingerprint, seed)
+    return ClassifierFeatures(net, fingerprint, seed, epochs)
 
 
 class TorchFeatures(Features):
@@ -180,4 +183,8 @@ def load_torch_features(factory: str, weights: str | Path, size: int | None = No
     if missing or unexpected:
         raise CheckpointError(f"{weights} does not fit {factory}: missing {missing[:3]}, unexpected {unexpected[:3]}")
     digest = hashlib.sha256(Path(weights).read_bytes()).hexdigest()
-    return TorchFeatures(net, f"torch-{function}-{digest[:16]}", size, channels)
+    # everything that changes the features: the factory (module and function), its weights, and the input's size
+    # and channels
+    name = f"torch-{module_name}.{function}-{digest[:16]}"
+    name += (f"-size{size}" if size else "") + (f"-channels{channels}" if channels else "")
+    return TorchFeatures(net, name, size, channels)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")
@@ -67,9 +68,16 @@ def _single_process_is_intended():
 
 def save_sharded(state: dict, path: Path, group=None) -> None:
     """Collective under a process group (`group`; None: the whole job's): every rank calls it with its own part of
-    `state`."""
-    with _single_process_is_intended():
-        dcp.save(state, checkpoint_id=str(path), process_group=group)
+    `state`. A rank's failed write (a full disk, say) comes back as that rank's OSError on every rank, not as DCP's
+    wrapper of it, which is not even an Exception."""
+    try:
+        with _single_process_is_intended():
+            dcp.save(state, checkpoint_id=str(path), process_group=group)
+    except CheckpointException as err:
+        failed = next((e for e, _ in err.failures.values() if isinstance(e, OSError)), None)
+        if failed is None:
+            raise
+        raise failed from None
 
 
 def load_sharded(state: dict, path: Path, group=None) -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from islands.errors import CheckpointError
+from islands.errors import CheckpointError, TrainingStopped
 from islands.parallel.distributed_checkpoint import UnsafeCheckpoint, load_sharded, save_sharded
-from islands.rundir import MARKER, checkpoint_dir, list_checkpoints, save_weights
+from islands.rundir import MARKER, checkpoint_dir, latest_checkpoint, list_checkpoints, save_weights
 
 
 def _fsync_dir(path: Path) -> None:
@@ -28,29 +28,36 @@ def write_checkpoint(run_dir: Path, images: int, sharded: dict, exports: dict, t
                      keep: int, main: bool = True, barrier=lambda: None, group=None) -> Path:
     """Every rank (of `group`, if the run trains on a group of the job's ranks) calls this with its `sharded`
     tensors; rank 0 (`main`) also writes `exports` (file name to whole state dict), `trainer` (torch.save) and
-    `state` (state.json), then publishes the folder."""
+    `state` (state.json), then publishes the folder. A write that fails (a full disk, say) stops the run with
+    `TrainingStopped` naming the checkpoint; the partial folder is removed and the earlier checkpoints stay."""
     final = checkpoint_dir(run_dir, images)
     tmp = final.parent / f".tmp-{final.name}"
-    if main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    save_sharded(sharded, tmp / "sharded", group)  # DCP fsyncs its own files
-    if not main:
-        return final
-    for name, weights in exports.items():
-        save_weights(weights, tmp / name)
-    torch.save(trainer, tmp / "trainer.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    (tmp / MARKER).write_text("")
-    for f in tmp.iterdir():
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    if final.exists():  # a rerun reaching the same image count replaces it whole
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    try:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        save_sharded(sharded, tmp / "sharded", group)  # DCP fsyncs its own files
+        if not main:
+            return final
+        for name, weights in exports.items():
+            save_weights(weights, tmp / name)
+        torch.save(trainer, tmp / "trainer.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        (tmp / MARKER).write_text("")
+        for f in tmp.iterdir():
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if final.exists():  # a rerun reaching the same image count replaces it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+    except OSError as err:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise TrainingStopped(f"cannot write checkpoint {final}: {err.strerror or err}; the partial folder was "
+                              f"removed, last complete checkpoint: {latest_checkpoint(run_dir) or 'none'}") from None
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old)
     return final
