@@ -9,7 +9,7 @@ from conftest import write_config
 
 from islands.cli import main
 from islands.errors import CheckpointError
-from islands.rundir import latest_checkpoint, list_checkpoints, load_weights, save_weights
+from islands.rundir import latest_checkpoint, list_checkpoints, load_weights, read_trainer, save_weights
 from islands.train.checkpoint import read_sharded, write_checkpoint
 
 
@@ -40,12 +40,6 @@ def test_a_pickle_posing_as_weights_is_refused_without_running_it(tmp_path):
     fake.write_bytes(pickle.dumps({"w": Payload()}, protocol=2))
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_weights(fake)
-    assert not (tmp_path / "pwned").exists()
-    # torch.load in our code is only ever used with weights_only=True, which refuses it too
-    posing_as_state = tmp_path / "trainer.pt"
-    posing_as_state.write_bytes(fake.read_bytes())
-    with pytest.raises(pickle.UnpicklingError):
-        torch.load(posing_as_state, weights_only=True)
     assert not (tmp_path / "pwned").exists()
 
 
@@ -117,3 +111,20 @@ def test_a_dotted_global_in_sharded_metadata_is_refused_by_name_on_resume(tmp_pa
     assert not marker.exists()
     assert code == 2 and err.count("\n") == 1, err
     assert f"refers to {module}.{name}," in err and str(ckpt / "sharded" / ".metadata") in err
+
+
+def test_a_trainer_state_that_would_run_code_is_refused_by_name_on_resume(tmp_path, capsys):
+    global MARK
+    config, ckpt = a_run_with_one_checkpoint(tmp_path)
+    MARK = str(tmp_path / "pwned")
+    torch.save({"scaler": {}, "rng": Payload()}, ckpt / "trainer.pt")  # torch's own zip format, as we write it
+    torch.load(ckpt / "trainer.pt", weights_only=False)  # the payload is live: unrestricted, it leaves the marker
+    assert (tmp_path / "pwned").exists()
+    (tmp_path / "pwned").unlink()
+
+    with pytest.raises(CheckpointError, match="trainer.pt: Unsupported global: GLOBAL getattr"):
+        read_trainer(ckpt)
+    assert main(["train", config, "train.images=128", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot read {ckpt / 'trainer.pt'}" in err, err
+    assert not (tmp_path / "pwned").exists()
