@@ -7,12 +7,13 @@ import os
 import pickle
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import run_ranks
+from conftest import a_feature_module, run_ranks
 
 from islands.cli import main
 from islands.config import to_dict, validate
@@ -296,6 +297,25 @@ def test_a_manifest_entry_that_leads_out_of_the_ensemble_folder_is_refused(ensem
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert f"{member}'s weights {entry['weights']} lie outside {copy}" in err
+
+
+def test_distill_imports_no_feature_module_named_only_by_the_ensemble_folder(ensemble, tmp_path, capsys, monkeypatch):
+    """The student's evaluations would build the feature network the ensemble's config.yaml names: only if the user
+    names it too."""
+    _, root = ensemble
+    copy = tmp_path / "ensemble"
+    shutil.copytree(root, copy)
+    factory = a_feature_module(tmp_path, "ensemble_features")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "ensemble_features", raising=False)
+    cfg = yaml.safe_load((copy / "config.yaml").read_text())
+    cfg["eval"].update(features="torch", feature_net=factory, feature_weights=str(tmp_path / "features.safetensors"))
+    (copy / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["distill", str(copy), "train.images=256", "eval.every=256", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert not (tmp_path / "imported").exists()
+    assert err.count("\n") == 1 and f"pass eval.feature_net={factory} to trust it" in err, err
+    assert not (copy / "distilled").exists()
 
 
 class _Payload:
