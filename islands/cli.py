@@ -190,13 +190,19 @@ def _teacher(cfg):
 
 
 def _distill(args) -> int:
+    from islands.config import apply_overrides
     from islands.ddm.runs import distill_config
+    from islands.eval.evaluate import trusted_features
     from islands.rundir import run_summary
     from islands.trainer import train
 
     # the folder given is the ensemble, wherever it was trained (islands may move it whole)
     overrides = [*args.overrides, f"run_dir={args.ensemble_dir}"]
-    cfg = distill_config(load_config(Path(args.ensemble_dir) / "config.yaml", overrides), args.teacher)
+    config_file = Path(args.ensemble_dir) / "config.yaml"
+    cfg = distill_config(load_config(config_file, overrides), args.teacher)
+    if cfg.eval.every:  # the student's evaluations would import a feature module: only one the user names
+        named = apply_overrides({}, args.overrides).get("eval", {}).get("feature_net")
+        trusted_features(cfg.eval, named, config_file, "eval.feature_net=")
     print(run_summary(train(cfg, progress=not args.quiet, teacher=_teacher(cfg))))
     return 0
 
@@ -209,7 +215,8 @@ def _eval(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     result, out = evaluate_target(Path(args.target), args.num, args.steps, args.metrics, args.features,
-                                  args.batch_size, Path(args.run) if args.run else None, progress=not args.quiet)
+                                  args.batch_size, Path(args.run) if args.run else None, progress=not args.quiet,
+                                  feature_net=args.feature_net, feature_weights=args.feature_weights)
     print(format_table(result))
     print(f"wrote {out}")
     return 0
@@ -315,7 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "Gaussian-mixture data also nll swd mode_mass velocity_mse (default: all that apply)")
     p.add_argument("--features", choices=["classifier", "pixels", "torch"],
                    help="feature network (default: eval.features; a classifier trained on the data for labelled "
-                        "images, else pixels); torch reads eval.feature_net and eval.feature_weights")
+                        "images, else pixels); torch: the network --feature-net builds")
+    p.add_argument("--feature-net", metavar="MODULE:FUNCTION",
+                   help="torch features: the function that builds the network (implies --features torch). Named "
+                        "here only: the module a run's config names is never imported, the run may come from "
+                        "another island")
+    p.add_argument("--feature-weights", metavar="FILE",
+                   help="torch features: the network's weights, a safetensors file (default: eval.feature_weights)")
     p.add_argument("--run", help="the run whose data a samples.npz is compared with (default: the run above it)")
     p.add_argument("--batch-size", type=int, help="samples per batch; does not change the numbers")
     p.add_argument("--threads", type=int, help="torch threads")

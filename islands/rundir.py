@@ -19,6 +19,7 @@ are safetensors, arrays come from .npz archives read with allow_pickle=False.
 import io
 import json
 import os
+import pickle
 import zipfile
 import zlib
 from collections.abc import Callable, Iterable
@@ -123,7 +124,17 @@ def read_state(ckpt: Path) -> dict:
 
 def read_trainer(ckpt: Path) -> dict:
     """The loss scaler's and the RNG's state; weights_only, so a foreign pickle cannot run code."""
-    return torch.load(Path(ckpt) / "trainer.pt", map_location="cpu", weights_only=True)
+    path = Path(ckpt) / "trainer.pt"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError) as err:
+        raise CheckpointError(f"cannot read {path}: {_first_reason(str(err))}") from None
+
+
+def _first_reason(message: str) -> str:
+    """The sentence of torch.load's many-line message that says what was wrong ("Unsupported global: ...")."""
+    message = message.split("WeightsUnpickler error: ", 1)[-1]
+    return message.splitlines()[0].split(". ")[0].rstrip(".")
 
 
 # --- the run's description -----------------------------------------------------------------------------------------

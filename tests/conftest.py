@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from islands.config import validate
+from islands.rundir import save_weights
 
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)  # two xdist workers share the 2 cores
 
@@ -124,3 +125,13 @@ def poisoned_npz(path, x: np.ndarray, y: np.ndarray, steps, batch: int, seed: in
             x[items[0][0]] = OVERFLOWING
     np.savez(path, x=x, y=y)
     return path
+
+
+def a_feature_module(folder, name: str) -> str:
+    """A user's feature network for 2-D points in FOLDER/NAME.py, which leaves FOLDER/imported when it is imported,
+    and its weights beside it; returns 'NAME:build'."""
+    (folder / f"{name}.py").write_text("import pathlib\n\nimport torch\n\n"
+                                       "pathlib.Path(__file__).with_name('imported').touch()\n\n\n"
+                                       "def build():\n    return torch.nn.Linear(2, 4)\n")
+    save_weights(torch.nn.Linear(2, 4).state_dict(), folder / "features.safetensors")
+    return f"{name}:build"

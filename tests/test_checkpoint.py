@@ -1,12 +1,15 @@
 """Weights files: safetensors round trip, and no unpickling of anything we did not write."""
 
 import pickle
+import pickletools
 
 import pytest
 import torch
+from conftest import write_config
 
+from islands.cli import main
 from islands.errors import CheckpointError
-from islands.rundir import list_checkpoints, load_weights, save_weights
+from islands.rundir import latest_checkpoint, list_checkpoints, load_weights, read_trainer, save_weights
 from islands.train.checkpoint import read_sharded, write_checkpoint
 
 
@@ -38,12 +41,6 @@ def test_a_pickle_posing_as_weights_is_refused_without_running_it(tmp_path):
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_weights(fake)
     assert not (tmp_path / "pwned").exists()
-    # torch.load in our code is only ever used with weights_only=True, which refuses it too
-    posing_as_state = tmp_path / "trainer.pt"
-    posing_as_state.write_bytes(fake.read_bytes())
-    with pytest.raises(pickle.UnpicklingError):
-        torch.load(posing_as_state, weights_only=True)
-    assert not (tmp_path / "pwned").exists()
 
 
 def test_checkpoints_are_whole_or_ignored_and_old_ones_are_pruned(tmp_path):
@@ -70,4 +67,64 @@ def test_sharded_state_round_trips_and_a_pickle_in_its_metadata_is_refused_witho
     (ckpt / "sharded" / ".metadata").write_bytes(pickle.dumps(Payload(), protocol=2))
     with pytest.raises(CheckpointError, match="metadata refers to .*getattr"):
         read_sharded(ckpt, back)
+    assert not (tmp_path / "pwned").exists()
+
+
+def a_run_with_one_checkpoint(tmp_path) -> tuple[str, object]:
+    """A few steps of a small MLP through `islands train`: its config file and its checkpoint."""
+    config = write_config(tmp_path / "c.yaml", {
+        "run_dir": str(tmp_path / "run"), "seed": 0, "data": {"source": "gmm", "means": [[1.0, 0.0], [-1.0, 0.0]],
+                                                              "std": 0.2, "size": 256},
+        "model": {"arch": "mlp", "hidden": 16, "depth": 2, "num_classes": 2},
+        "train": {"images": 64, "batch_size": 32, "checkpoint_every": 64, "sample_every": 0}})
+    assert main(["train", config, "--quiet"]) == 0
+    return config, latest_checkpoint(tmp_path / "run")
+
+
+def calling(module: str, name: str, arg: str) -> bytes:
+    """A protocol-4 pickle of `module.name(arg)`, built opcode by opcode: STACK_GLOBAL looks `name` up in `module`
+    and follows its dots, as pickle does from protocol 4 on."""
+    def text(s: str) -> bytes:
+        return b"\x8c" + bytes([len(s.encode())]) + s.encode()  # SHORT_BINUNICODE
+
+    payload = b"\x80\x04" + text(module) + text(name) + b"\x93" + text(arg) + b"\x85" + b"R" + b"."
+    ops = [op.name for op, _, _ in pickletools.genops(payload)]
+    assert ops == ["PROTO", "SHORT_BINUNICODE", "SHORT_BINUNICODE", "STACK_GLOBAL", "SHORT_BINUNICODE", "TUPLE1",
+                   "REDUCE", "STOP"]
+    return payload
+
+
+@pytest.mark.parametrize("name,arg", [("os.system", "touch {}"), ("Path.touch", "{}")])
+def test_a_dotted_global_in_sharded_metadata_is_refused_by_name_on_resume(tmp_path, capsys, name, arg):
+    """DCP's own module imports os and Path: a prefix allow-list let a protocol-4 pickle reach them."""
+    config, ckpt = a_run_with_one_checkpoint(tmp_path)
+    marker = tmp_path / "pwned"
+    module = "torch.distributed.checkpoint.filesystem"
+    payload = calling(module, name, arg.format(marker))
+    pickle.loads(payload)  # the payload is live: unpickled without restriction, it leaves the marker
+    assert marker.exists()
+    marker.unlink()
+
+    (ckpt / "sharded" / ".metadata").write_bytes(payload)
+    code = main(["train", config, "train.images=128", "--quiet"])
+    err = capsys.readouterr().err
+    assert not marker.exists()
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"refers to {module}.{name}," in err and str(ckpt / "sharded" / ".metadata") in err
+
+
+def test_a_trainer_state_that_would_run_code_is_refused_by_name_on_resume(tmp_path, capsys):
+    global MARK
+    config, ckpt = a_run_with_one_checkpoint(tmp_path)
+    MARK = str(tmp_path / "pwned")
+    torch.save({"scaler": {}, "rng": Payload()}, ckpt / "trainer.pt")  # torch's own zip format, as we write it
+    torch.load(ckpt / "trainer.pt", weights_only=False)  # the payload is live: unrestricted, it leaves the marker
+    assert (tmp_path / "pwned").exists()
+    (tmp_path / "pwned").unlink()
+
+    with pytest.raises(CheckpointError, match="trainer.pt: Unsupported global: GLOBAL getattr"):
+        read_trainer(ckpt)
+    assert main(["train", config, "train.images=128", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot read {ckpt / 'trainer.pt'}" in err, err
     assert not (tmp_path / "pwned").exists()

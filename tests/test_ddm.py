@@ -7,12 +7,13 @@ import os
 import pickle
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import run_ranks
+from conftest import a_feature_module, run_ranks
 
 from islands.cli import main
 from islands.config import to_dict, validate
@@ -259,6 +260,63 @@ def test_a_tampered_expert_and_a_pickle_posing_as_one_are_refused(ensemble, tmp_
     with pytest.raises(CheckpointError, match="not a valid safetensors file"):
         load_ensemble(copy)
     assert not marker.exists()
+
+
+def test_an_expert_swapped_after_the_ensemble_was_opened_is_refused_when_it_is_loaded_again(ensemble, tmp_path):
+    """--max-loaded drops experts and builds them again: every load checks the file, not only the first."""
+    _, root = ensemble
+    copy = tmp_path / "ensemble"
+    shutil.copytree(root, copy)
+    manifest = read_manifest(copy)
+    mixture, _ = load_ensemble(copy, "full", max_loaded=1)
+    x, t = torch.zeros(2, 2), torch.full((2,), 0.5)
+    mixture(x, t)  # every expert built in turn, each dropped for the next
+    first = copy / manifest["experts"][0]["weights"]
+    shutil.copyfile(copy / manifest["experts"][1]["weights"], first)  # a valid expert of the same shape, another one
+    with pytest.raises(CheckpointError, match=f"{first}: sha256 does not match"):
+        mixture(x, t)
+
+
+@pytest.mark.parametrize("member,where", [("expert1", "parent"), ("expert1", "absolute"), ("expert1", "symlink"),
+                                          ("router", "parent")])
+def test_a_manifest_entry_that_leads_out_of_the_ensemble_folder_is_refused(ensemble, tmp_path, capsys, member, where):
+    _, root = ensemble
+    copy = tmp_path / "ensemble"
+    shutil.copytree(root, copy)
+    manifest = read_manifest(copy)
+    entry = manifest["router"] if member == "router" else manifest["experts"][1]
+    outside = tmp_path / "x.safetensors"
+    shutil.copyfile(copy / entry["weights"], outside)  # the same bytes: the manifest's sha256 holds for it
+    if where == "symlink":
+        (copy / entry["weights"]).unlink()
+        (copy / entry["weights"]).symlink_to(outside)
+    else:
+        entry["weights"] = "../x.safetensors" if where == "parent" else str(outside)
+        (copy / "ensemble.json").write_text(json.dumps(manifest))
+    code = main(["sample", str(copy), "--num", "8", "--steps", "2", "--routing", "full", "--out",
+                 str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{member}'s weights {entry['weights']} lie outside {copy}" in err
+
+
+def test_distill_imports_no_feature_module_named_only_by_the_ensemble_folder(ensemble, tmp_path, capsys, monkeypatch):
+    """The student's evaluations would build the feature network the ensemble's config.yaml names: only if the user
+    names it too."""
+    _, root = ensemble
+    copy = tmp_path / "ensemble"
+    shutil.copytree(root, copy)
+    factory = a_feature_module(tmp_path, "ensemble_features")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "ensemble_features", raising=False)
+    cfg = yaml.safe_load((copy / "config.yaml").read_text())
+    cfg["eval"].update(features="torch", feature_net=factory, feature_weights=str(tmp_path / "features.safetensors"))
+    (copy / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["distill", str(copy), "train.images=256", "eval.every=256", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert not (tmp_path / "imported").exists()
+    assert err.count("\n") == 1 and f"pass eval.feature_net={factory} to trust it" in err, err
+    assert not (copy / "distilled").exists()
 
 
 class _Payload:

@@ -2,12 +2,15 @@
 
 import json
 import pickle
+import shutil
+import sys
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import fashion_mnist_or_skip, tiny_unet_config, write_config
+import yaml
+from conftest import a_feature_module, fashion_mnist_or_skip, tiny_unet_config, write_config
 
 from islands.cli import main
 from islands.config import EvalConfig, validate
@@ -238,6 +241,28 @@ def test_islands_eval_names_bad_targets_and_metrics(gmm_run, tmp_path, capsys):
     (tmp_path / "samples.npz").write_bytes(b"not an npz")
     assert main(["eval", str(tmp_path / "samples.npz"), "--run", str(run), "--quiet"]) == 2
     assert "samples.npz" in capsys.readouterr().err
+
+
+def test_islands_eval_imports_only_the_feature_module_the_user_names(gmm_run, tmp_path, capsys, monkeypatch):
+    """A run folder may come from another island: its config.yaml alone must not decide what code runs."""
+    run = tmp_path / "run"
+    shutil.copytree(gmm_run[0], run)
+    factory = a_feature_module(tmp_path, "island_features")
+    monkeypatch.syspath_prepend(str(tmp_path))  # importable, as a module beside the user would be
+    monkeypatch.delitem(sys.modules, "island_features", raising=False)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["eval"].update(features="torch", feature_net=factory, feature_weights=str(tmp_path / "features.safetensors"))
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+    assert main(["eval", str(run), "--num", "200", "--metrics", "fd", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert not (tmp_path / "imported").exists()
+    assert err.count("\n") == 1 and err.startswith("islands: config error: --feature-net: ")
+    assert f"{run / 'config.yaml'} names '{factory}'" in err and f"pass --feature-net {factory} to trust it" in err
+
+    assert main(["eval", str(run), "--num", "200", "--metrics", "fd", "--quiet", "--feature-net", factory]) == 0
+    assert (tmp_path / "imported").exists()
+    assert "fd" in next(iter(json.loads((run / "metrics.json").read_text()).values()))
 
 
 def test_an_evaluator_on_pixels_scores_the_data_against_itself_near_zero(tmp_path, monkeypatch):

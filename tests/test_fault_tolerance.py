@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -16,10 +17,15 @@ from test_local_updates import plain, two_ranks
 from test_parallel import final_weights, mlp_config, relative_difference
 
 from islands.config import validate
-from islands.errors import ConfigError
-from islands.parallel.fault_tolerance import from_bytes, to_bytes  # first: it quiets torchft's INFO logs
+from islands.errors import CheckpointError, ConfigError
+from islands.parallel.fault_tolerance import (  # first: it quiets torchft's INFO logs
+    SafetensorsTransport,
+    checked,
+    from_bytes,
+    to_bytes,
+)
 from islands.parallel.launch import World
-from islands.parallel.local_updates import LocalSGDStrategy
+from islands.parallel.local_updates import DiLoCoStrategy, LocalSGDStrategy
 from islands.rundir import latest_checkpoint
 
 TIMEOUT_S = 300  # the failure test takes about 50 s alone; far longer on a machine busy with other tests
@@ -72,6 +78,74 @@ def test_the_healing_state_travels_as_safetensors_and_comes_back_whole():
     assert torch.equal(back["user"]["default"]["ema"]["net.w"], torch.ones(2))
     with pytest.raises(ValueError, match="not safetensors"):  # a pickle is refused by the parser, never executed
         from_bytes(b"\x80\x04\x95" + b"\x00" * 64)
+
+
+def test_torchft_counters_from_a_peer_must_be_two_whole_numbers():
+    """torchft sets its step from them as they come; the transport hands it nothing else."""
+    transport, timeout = SafetensorsTransport("127.0.0.1", timedelta(seconds=10)), timedelta(seconds=10)
+    try:
+        for counters in ({"step": 7, "batches_committed": 14}, {"step": "7", "batches_committed": 14}, {"step": 7}):
+            transport.send_checkpoint([1], 7, {"user": {"default": {"images": 64}}, "torchft": counters}, timeout)
+            if counters == {"step": 7, "batches_committed": 14}:
+                assert transport.recv_checkpoint(0, transport.metadata(), 7, timeout)["torchft"] == counters
+                continue
+            with pytest.raises(CheckpointError, match="torchft/"):
+                transport.recv_checkpoint(0, transport.metadata(), 7, timeout)
+    finally:
+        transport.shutdown()
+
+
+def a_healing_replica():
+    """A DiLoCo replica's strategy with its anchors and momentum (two fragments keep anchors without torchft), and
+    the loader ReplicaLink gives torchft for it."""
+    strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=2, batch_size=1, outer_lr=0.7, outer_momentum=0.9,
+                              fragments=2)
+    strategy.wrap(torch.nn.Linear(3, 2))
+    return strategy, checked(strategy.heal, strategy.shared_state)
+
+
+def a_peers_state(strategy) -> dict:
+    """The replica's own layout with other values, as a peer's arrives: through the wire."""
+    state = from_bytes(to_bytes(strategy.shared_state()))
+    for group in ("anchor", "momentum"):
+        state[group] = {name: torch.randn_like(value) for name, value in state[group].items()}
+    state["images"] = 4096
+    return state
+
+
+@pytest.mark.parametrize("change,name", [
+    ("extra", "anchor/extra"),  # the others would be applied, then a KeyError
+    ("missing", "momentum/bias"),  # silently half-applied
+    ("shape", "anchor/weight"),  # copy_ broadcasts a row into every row
+    ("dtype", "anchor/bias"),
+    ("number", "images"),
+])
+def test_a_peers_healing_state_that_does_not_fit_is_refused_before_any_of_it_is_applied(change, name):
+    strategy, heal = a_healing_replica()
+    held = {**{f"net/{n}": p.detach().clone() for n, p in strategy.net.named_parameters()},
+            **{f"{g}/{n}": t.clone() for g in ("anchor", "momentum") for n, t in strategy.shared_state()[g].items()}}
+    peer = a_peers_state(strategy)
+    if change == "extra":
+        peer["anchor"]["extra"] = torch.zeros(2)
+    elif change == "missing":
+        del peer["momentum"]["bias"]
+    elif change == "shape":
+        peer["anchor"]["weight"] = torch.randn(1, 3)
+    elif change == "dtype":
+        peer["anchor"]["bias"] = peer["anchor"]["bias"].double()
+    else:
+        peer["images"] = "4096"
+    with pytest.raises(CheckpointError, match=f"healing state does not fit this replica: {name} is "):
+        heal(peer)
+    now = {**{f"net/{n}": p.detach() for n, p in strategy.net.named_parameters()},
+           **{f"{g}/{n}": t for g in ("anchor", "momentum") for n, t in strategy.shared_state()[g].items()}}
+    assert all(torch.equal(now[key], held[key]) for key in held) and strategy.joined is None
+
+    fits = a_peers_state(strategy)  # the control: a state that fits is taken in whole
+    heal(fits)
+    assert all(torch.equal(p, fits["anchor"][n]) for n, p in strategy.net.named_parameters())
+    assert all(torch.equal(t, fits["momentum"][n]) for n, t in strategy.shared_state()["momentum"].items())
+    assert strategy.joined == 4096
 
 
 @pytest.mark.parametrize("lighthouse", [2], indirect=True)

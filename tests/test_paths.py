@@ -226,16 +226,15 @@ def test_a_discrete_cosine_run_is_loaded_with_its_schedule(tmp_path, float32):
     entry = _entry(tmp_path, run, "expert0")
     assert (entry["path"], entry["beta_schedule"], entry["train_steps"]) == ("vp_discrete", "cosine", 500)
     entry = json.loads(json.dumps(entry))  # as read back from ensemble.json
-    expert = _expert(entry, tmp_path / entry["weights"], "cpu")
+    expert = _expert(tmp_path, entry, "cpu")
     assert torch.equal(expert.path.alphas_cumprod, cosine)
     x, t = torch.randn(8, 2), torch.rand(8) * 0.9 + 0.05
     assert torch.allclose(expert(x, t), denoiser(x, t))
     # a manifest written before paths took options: no schedule fields, the defaults apply
     old = {key: value for key, value in entry.items() if key not in ("beta_schedule", "train_steps")}
-    weights = tmp_path / entry["weights"]
-    assert torch.equal(_expert(old, weights, "cpu").path.alphas_cumprod, VPDiscrete().alphas_cumprod)
+    assert torch.equal(_expert(tmp_path, old, "cpu").path.alphas_cumprod, VPDiscrete().alphas_cumprod)
     old["path"] = "cosine"
-    assert isinstance(_expert(old, weights, "cpu").path, Cosine)
+    assert isinstance(_expert(tmp_path, old, "cpu").path, Cosine)
 
 
 def test_options_of_the_discrete_schedule_are_refused_by_other_paths():

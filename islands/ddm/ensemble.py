@@ -1,9 +1,10 @@
 """The ensemble manifest (`ensemble.json`) and loading a routed `Mixture` from it.
 
 Experts arrive from other islands and are treated as untrusted: the manifest (plain JSON) records each
-weights file's sha256, every file is checked against it and opened as safetensors before anything runs,
-and nothing is ever unpickled. An expert that is missing from disk or never finished leaves the ensemble
-usable: the router renormalises over the experts that exist, and a warning names the missing one.
+weights file's sha256, every file must lie inside the ensemble folder, is checked against it and opened as
+safetensors before anything runs and again at every load, and nothing is ever unpickled. An expert that is
+missing from disk or never finished leaves the ensemble usable: the router renormalises over the experts that
+exist, and a warning names the missing one.
 """
 
 import functools
@@ -13,7 +14,8 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_load
 
 from islands.config import Config, to_dict, validate
 from islands.ddm.mixture import DEFAULT_ROUTING, ExpertSlot, Mixture, PriorRouter, parse_routing
@@ -24,7 +26,7 @@ from islands.flow.denoiser import NetworkDenoiser
 from islands.flow.paths import PATH_OPTIONS, build_path
 from islands.generate import network_with_weights
 from islands.nets.router import route
-from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, load_weights, weights_file
+from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, weights_file
 
 MANIFEST = "ensemble.json"
 
@@ -85,22 +87,42 @@ def read_manifest(root: Path) -> dict:
         raise CheckpointError(f"cannot read ensemble manifest {path}: {err}") from None
 
 
-def _verified(root: Path, entry: dict) -> tuple[Path | None, str]:
-    """The entry's weights file, checked; or None and why, when it is missing or unfinished (the mixture warns
-    when it routes around it)."""
-    if "weights" not in entry:
-        return None, f"has no finished checkpoint ({root / entry['run']})"
-    path = root / entry["weights"]
-    if not path.is_file():
-        return None, f"is missing from disk ({path})"
-    if file_sha256(path) != entry["sha256"]:
+def _inside(root: Path, entry: dict) -> Path:
+    """The entry's weights file, which must lie inside the ensemble folder, symbolic links followed: a manifest
+    that points elsewhere would have files read that nobody copied in with the ensemble."""
+    relative = Path(entry["weights"])
+    path = root / relative
+    if relative.is_absolute() or not path.resolve().is_relative_to(root.resolve()):
+        raise CheckpointError(f"{root / MANIFEST}: {entry['name']}'s weights {entry['weights']} lie outside {root}; "
+                              f"refusing {entry['name']}")
+    return path
+
+
+def _read_verified(root: Path, entry: dict) -> dict:
+    """The entry's weights, at every load: the bytes that are hashed are the bytes deserialised, so a file swapped
+    after the ensemble was opened (or between the check and the read) is never used."""
+    path = _inside(root, entry)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err}; refusing {entry['name']}") from None
+    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
         raise CheckpointError(f"{path}: sha256 does not match {MANIFEST}; refusing {entry['name']}")
     try:
-        with safe_open(str(path), "pt"):
-            pass
-    except (SafetensorError, OSError, ValueError) as err:
+        return safetensors_load(data)
+    except SafetensorError as err:
         raise CheckpointError(f"{path}: not a valid safetensors file ({err}); refusing {entry['name']}") from None
-    return path, ""
+
+
+def _verified(root: Path, entry: dict) -> tuple[bool, str]:
+    """Whether the entry's weights are there, checked now so that a bad file stops the run before anything is
+    sampled; if not, why (missing or unfinished: the mixture warns when it routes around it)."""
+    if "weights" not in entry:
+        return False, f"has no finished checkpoint ({root / entry['run']})"
+    if not _inside(root, entry).is_file():
+        return False, f"is missing from disk ({root / entry['weights']})"
+    _read_verified(root, entry)
+    return True, ""
 
 
 def _network(entry: dict, weights: dict, device) -> torch.nn.Module:
@@ -108,24 +130,23 @@ def _network(entry: dict, weights: dict, device) -> torch.nn.Module:
     return network_with_weights(model_cfg, tuple(entry["shape"]), entry["num_classes"], weights, device)
 
 
-def _expert(entry: dict, path: Path, device) -> NetworkDenoiser:
+def _expert(root: Path, entry: dict, device) -> NetworkDenoiser:
     """An expert in the canonical frame, whatever path (and schedule) and prediction it was trained with. Manifests
     written before a path took options lack them: the path's defaults apply."""
     flow_path = build_path(entry["path"], **{key: entry[key] for key in PATH_OPTIONS if key in entry})
-    return NetworkDenoiser(_network(entry, load_weights(path), device), flow_path, entry["prediction"])
+    return NetworkDenoiser(_network(entry, _read_verified(root, entry), device), flow_path, entry["prediction"])
 
 
-def _gated(entry: dict, paths: list[Path], device) -> TimeGate:
+def _gated(root: Path, entry: dict, device) -> TimeGate:
     """A cluster's range experts behind their gate by t."""
-    experts = [_expert(part, path, device) for part, path in zip(entry["ranges"], paths, strict=True)]
-    return TimeGate(experts, entry["t_ranges"])
+    return TimeGate([_expert(root, part, device) for part in entry["ranges"]], entry["t_ranges"])
 
 
-def _router_network(entry: dict, path: Path, device) -> torch.nn.Module:
-    weights = load_weights(path)
+def _router_network(root: Path, entry: dict, device) -> torch.nn.Module:
+    weights = _read_verified(root, entry)
     if "anchor.log_prior" not in weights:  # its logits were not anchored: read as anchored they would be wrong
-        raise CheckpointError(f"{path}: this router was trained before routers were anchored at the prior; "
-                              "retrain it: islands train ENSEMBLE/config.yaml router")
+        raise CheckpointError(f"{root / entry['weights']}: this router was trained before routers were anchored at "
+                              "the prior; retrain it: islands train ENSEMBLE/config.yaml router")
     return _network(entry, weights, device)
 
 
@@ -139,29 +160,30 @@ class LearnedRouter:
 
 def load_ensemble(root: Path, routing: str = DEFAULT_ROUTING, max_loaded: int | None = None, seed: int = 0,
                   device="cpu") -> tuple[Mixture, dict]:
-    """The ensemble as one `Denoiser`: every file verified now, each expert's network built when first needed."""
+    """The ensemble as one `Denoiser`: every file verified now, and again each time an expert's network is built
+    (when first needed, and after `max_loaded` dropped it)."""
     root = Path(root)
     manifest = read_manifest(root)
     slots = []
     for entry in manifest["experts"]:
         if "ranges" in entry:  # its range experts, gated by t: all of them, or the cluster's expert is missing
             checked = [_verified(root, part) for part in entry["ranges"]]
-            missing = next((f"{part['name']} {why}" for part, (path, why) in zip(entry["ranges"], checked,
-                                                                               strict=True) if path is None), "")
-            load = None if missing else functools.partial(_gated, entry, [path for path, _ in checked], device)
+            missing = next((f"{part['name']} {why}" for part, (found, why) in zip(entry["ranges"], checked,
+                                                                                strict=True) if not found), "")
+            load = None if missing else functools.partial(_gated, root, entry, device)
         else:
-            path, missing = _verified(root, entry)
-            load = None if path is None else functools.partial(_expert, entry, path, device)
+            found, missing = _verified(root, entry)
+            load = functools.partial(_expert, root, entry, device) if found else None
         slots.append(ExpertSlot(entry["name"], load, missing))
     if not any(slot.available for slot in slots):
         raise CheckpointError(f"{root}: no expert of the ensemble is available")
     router = None  # ancestral routing asks no router: it is not even read
     if parse_routing(routing).needs_router:
-        router_path, router_missing = _verified(root, manifest["router"])
-        if router_path is None:
+        found, router_missing = _verified(root, manifest["router"])
+        if not found:
             warnings.warn(f"the router {router_missing}; routing by the cluster sizes alone", IslandsWarning,
                           stacklevel=2)
-        router = (LearnedRouter(_router_network(manifest["router"], router_path, device)) if router_path is not None
+        router = (LearnedRouter(_router_network(root, manifest["router"], device)) if found
                   else PriorRouter(manifest["prior"]))
     mixture = Mixture(slots, router, routing=routing, max_loaded=max_loaded, seed=seed,
                       time_boundaries=manifest.get("t_ranges", [0, 1])[1:-1])

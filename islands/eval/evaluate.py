@@ -29,7 +29,7 @@ from islands.eval.features import (
 )
 from islands.flow.denoiser import Denoiser
 from islands.generate import generate, load_denoiser, sample_labels
-from islands.rundir import atomic_write_text, describe_run, is_run_dir, latest_checkpoint, read_npz
+from islands.rundir import CONFIG, atomic_write_text, describe_run, is_run_dir, latest_checkpoint, read_npz
 
 SAMPLE_METRICS = ("fd", "kid", "precision_recall", "density_coverage", "class_balance")  # from samples alone
 EXACT_METRICS = ("nll", "swd", "mode_mass")  # Gaussian mixtures, from samples alone
@@ -57,6 +57,23 @@ def build_features(cfg: EvalConfig, source: Source, seed: int = 0, progress: boo
     if not (cfg.feature_net and cfg.feature_weights):
         raise ConfigError("eval.features: 'torch' needs eval.feature_net (module:function) and eval.feature_weights")
     return load_torch_features(cfg.feature_net, cfg.feature_weights, cfg.feature_size, cfg.feature_channels)
+
+
+def trusted_features(cfg: EvalConfig, feature_net: str | None, config_file: Path, option: str) -> EvalConfig:
+    """Evaluation settings read from a run folder's `config_file`, with the feature module the user named
+    (`feature_net`; None: none). Torch features import and run that module, and a run folder may have come from
+    another island: the module its config names is never imported on its word alone. `option` is how the user
+    names one on the command line ("--feature-net ", "eval.feature_net=")."""
+    if feature_net is not None:
+        return revalidate(cfg, "eval", feature_net=feature_net)
+    if cfg.features != "torch":
+        return cfg
+    key = option.rstrip(" =")
+    if cfg.feature_net is None:
+        raise ConfigError(f"{key}: torch features need the module that builds their network: "
+                          f"pass {option}MODULE:FUNCTION")
+    raise ConfigError(f"{key}: {config_file} names {cfg.feature_net!r} to build the feature network, and code named "
+                      f"only by a run folder is never imported: pass {option}{cfg.feature_net} to trust it")
 
 
 class Evaluator:
@@ -195,16 +212,21 @@ def find_run(path: Path) -> Path:
 
 def evaluate_target(target: Path, num: int | None = None, steps: int | None = None, metric_names=None,
                     features: str | None = None, batch_size: int | None = None, run_dir: Path | None = None,
-                    progress: bool = True) -> tuple[dict, Path]:
-    """Evaluate a run directory (generating `num` samples) or a samples.npz; add the result to metrics.json."""
+                    progress: bool = True, feature_net: str | None = None,
+                    feature_weights: str | None = None) -> tuple[dict, Path]:
+    """Evaluate a run directory (generating `num` samples) or a samples.npz; add the result to metrics.json. Torch
+    features are built by `feature_net` (which implies them), never by the module the run's config names."""
     target = Path(target)
     is_file = target.suffix == ".npz"
     if not target.exists():
         raise CheckpointError(f"{target} does not exist")
     run = Path(run_dir) if run_dir else (find_run(target) if is_file else target)
     cfg, info = describe_run(run)
-    updates = {k: v for k, v in {"metrics": metric_names, "features": features, "num": num}.items() if v is not None}
-    eval_cfg = revalidate(cfg.eval, "eval", **updates)  # --num too: the metrics asked for need enough samples
+    # --num too: the metrics asked for need enough samples
+    updates = {"metrics": metric_names, "features": features or ("torch" if feature_net else None),
+               "feature_weights": feature_weights, "num": num}
+    eval_cfg = revalidate(cfg.eval, "eval", **{k: v for k, v in updates.items() if v is not None})
+    eval_cfg = trusted_features(eval_cfg, feature_net, run / CONFIG, "--feature-net ")
     evaluator = Evaluator(judged_on(build_data(cfg.data, cfg.seed)), eval_cfg, cfg.seed, progress)
     if is_file:
         try:

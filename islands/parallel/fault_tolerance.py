@@ -20,7 +20,9 @@ committed only if every one of them got through it. So:
   round), and continues on its peers' clock.
 
 Healing sends the state as safetensors over HTTP (`SafetensorsTransport`): torchft's own transports unpickle what a
-peer sends, and another island is not trusted with that. torchft's `LocalSGD` and `DiLoCo` wrappers are not used:
+peer sends, and another island is not trusted with that. The server has no authentication: replicas must meet on a
+network that only they reach (README). A state whose names, shapes or dtypes differ from this replica's own is
+refused before any of it is applied (`fitting`). torchft's `LocalSGD` and `DiLoCo` wrappers are not used:
 Islands' strategies already implement both methods (with the image clock, weighting and streaming the trainer
 needs); only the exchange and the membership come from torchft.
 """
@@ -46,6 +48,7 @@ from torchft.checkpointing.transport import CheckpointTransport  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
 from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
+from islands.errors import CheckpointError  # noqa: E402
 from islands.parallel.launch import World  # noqa: E402
 from islands.parallel.ledger import Ledger  # noqa: E402
 
@@ -53,16 +56,20 @@ from islands.parallel.ledger import Ledger  # noqa: E402
 logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
 
 
-def flatten(state: dict, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def leaves(state: dict, prefix: str = ""):
+    """(the "/"-joined key, the value) of every tensor and number in a nested dict."""
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from leaves(value, f"{prefix}{key}/")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def flatten(state: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A nested dict of tensors and numbers -> (tensors by "/"-joined key, the numbers as JSON by key)."""
     tensors, numbers = {}, {}
-    for key, value in state.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            more, nums = flatten(value, f"{name}/")
-            tensors.update(more)
-            numbers.update(nums)
-        elif isinstance(value, torch.Tensor):
+    for name, value in leaves(state):
+        if isinstance(value, torch.Tensor):
             tensors[name] = value.detach().cpu().contiguous()
         else:
             numbers[name] = json.dumps(value)
@@ -94,6 +101,25 @@ def from_bytes(data: bytes) -> dict:
     except (SafetensorError, ValueError) as err:
         raise ValueError(f"a peer sent healing state that is not safetensors: {err}") from None
     return unflatten(tensors, numbers)
+
+
+def _kind(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    return f"a number ({type(value).__name__})"
+
+
+def fitting(received: dict, own: dict) -> dict:
+    """`received`, a peer's healing state, if every name in it has this replica's shape and dtype and none is missing
+    or added; otherwise a CheckpointError naming the first that differs, before anything is applied. (`copy_` would
+    broadcast a wrong shape, and a missing name would leave a state half-applied.)"""
+    theirs, ours = ({name: _kind(value) for name, value in leaves(state)} for state in (received, own))
+    for name in sorted(theirs.keys() | ours.keys()):
+        if theirs.get(name) != ours.get(name):
+            raise CheckpointError(f"a peer's healing state does not fit this replica: {name} is "
+                                  f"{theirs.get(name, 'missing')} there, {ours.get(name, 'missing')} here (does the "
+                                  "peer train another config?); refusing it")
+    return received
 
 
 class SafetensorsTransport(CheckpointTransport):
@@ -136,11 +162,19 @@ class SafetensorsTransport(CheckpointTransport):
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> dict:
         with urllib.request.urlopen(f"{metadata}{step}", timeout=timeout.total_seconds()) as response:
-            return from_bytes(response.read())
+            state = from_bytes(response.read())
+        # torchft takes its two counters from it as they are; this replica's own state is checked where it is applied
+        fitting({"torchft": state.get("torchft", {})}, {"torchft": {"step": step, "batches_committed": 0}})
+        return state
 
     def shutdown(self, wait: bool = True) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def checked(load: Callable[[dict], None], state: Callable[[], dict]) -> Callable[[dict], None]:
+    """`load`, given only a peer's state that fits this replica's own `state()`."""
+    return lambda received: load(fitting(received, state()))
 
 
 class ReplicaLink:
@@ -162,7 +196,8 @@ class ReplicaLink:
             store_addr, store_port = host, self.store.port
         self.transport = SafetensorsTransport(host, timeout)
         # init_sync=False: every replica draws the same initial weights from the config's seed
-        self.manager = Manager(ProcessGroupGloo(timeout=timeout), load, state, min_replica_size=min_replicas,
+        self.manager = Manager(ProcessGroupGloo(timeout=timeout), checked(load, state), state,
+                               min_replica_size=min_replicas,
                                use_async_quorum=False, timeout=timeout,
                                quorum_timeout=timedelta(seconds=quorum_timeout_s),
                                connect_timeout=timeout, rank=world.rank, world_size=world.size,
