@@ -398,3 +398,38 @@ def test_experts_spread_over_two_ranks_sample_what_one_process_samples(ensemble,
     assert one.shape == two.shape == (30, 2) and np.allclose(one, two, atol=1e-5), np.abs(one - two).max()
     moved = float(run.stdout.split("images/s, ")[1].split(" MB")[0])
     assert "2 ranks:" in run.stdout and moved > 0  # samples really travelled to the other rank's experts
+
+
+def tiny_ddm_config() -> dict:
+    """Two experts of 256 images each on a 2-D mixture of two modes: an ensemble built in seconds."""
+    return {"seed": 1, "data": {"source": "gmm", "means": [[2.0, 2.0], [-2.0, -2.0]], "std": 0.3, "size": 2000},
+            "model": {"arch": "mlp", "hidden": 16, "depth": 2},
+            "train": {"images": 512, "batch_size": 64, "lr": 2e-3, "ema_halflife_images": 100,
+                      "checkpoint_every": 256, "log_every": 256},
+            "sample": {"num": 16, "steps": 4}, "eval": {"num": 200},
+            "ddm": {"k": 2, "partition": {"fine": 16, "balanced": False},
+                    "router": {"images": 128, "batch_size": 64, "hidden": 16, "depth": 2}}}
+
+
+@pytest.fixture(scope="module")
+def relative_ensemble(tmp_path_factory):
+    """`islands ddm ddm.yaml run_dir=ens`, run in the folder that holds both; its first attempt named a class count
+    the data does not have, so every member failed before its first checkpoint, and the second corrected it.
+    -> (the folder, the exit status of each attempt)."""
+    where = tmp_path_factory.mktemp("relative")
+    (where / "ddm.yaml").write_text(yaml.safe_dump(tiny_ddm_config()))
+    cwd = os.getcwd()
+    os.chdir(where)
+    try:
+        codes = [main(["ddm", "ddm.yaml", "run_dir=ens", *wrong, "--quiet"]) for wrong in (["model.num_classes=5"], [])]
+    finally:
+        os.chdir(cwd)
+    return where, codes
+
+
+def test_an_ensemble_whose_members_all_failed_takes_a_corrected_config(relative_ensemble):
+    where, codes = relative_ensemble
+    assert codes == [1, 0]  # a member failed; then the corrected config was taken and the ensemble built
+    assert "model.num_classes: 5 does not match" in (where / "ens" / "logs" / "expert0.log").read_text()
+    assert yaml.safe_load((where / "ens" / "config.yaml").read_text())["model"]["num_classes"] == 0
+    assert (where / "ens" / "ensemble.json").exists()

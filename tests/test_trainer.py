@@ -4,10 +4,11 @@ warning where bf16 is emulated, and keys of another kind refused by the config's
 import warnings
 
 import pytest
+import yaml
 from conftest import tiny_unet, tiny_unet_config, write_config
 
 from islands.cli import main
-from islands.config import ConfigError, validate
+from islands.config import ConfigError, to_dict, validate
 from islands.errors import IslandsWarning
 from islands.parallel import launch
 from islands.parallel.strategies import Strategy
@@ -28,6 +29,23 @@ def test_a_network_that_does_not_fit_its_sizes_is_a_config_error_naming_the_key(
     assert main(["train", config, "model.num_heads=3", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err == "islands: config error: model: channels (16) must be divisible by num_heads (3)\n"
+
+
+def test_a_first_mistake_does_not_lock_the_run_folder_but_a_trained_run_keeps_its_config(tmp_path, capsys, image_npz):
+    config = write_config(tmp_path / "c.yaml", tiny_unet_config(tmp_path / "run", image_npz, train={"images": 16}))
+    assert main(["train", config, "model.num_heads=3", "--quiet"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert not (tmp_path / "run" / "config.yaml").exists()  # a config that does not build never lands
+    # a folder where an earlier start left its config but no checkpoint (an interrupted first run) takes another
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(to_dict(validate(
+        tiny_unet_config(tmp_path / "run", image_npz, model={"num_classes": 5})))))
+    assert main(["train", config, "--quiet"]) == 0
+    capsys.readouterr()
+    # once it holds a checkpoint, the run's config binds
+    assert main(["train", config, "train.lr=0.1", "--quiet"]) == 2
+    assert capsys.readouterr().err == (f"islands: config error: {tmp_path / 'run'} holds a run with another config "
+                                       "(train.lr: 0.001 -> 0.1); use a new run_dir\n")
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -23,6 +23,7 @@ from islands.rundir import (
     read_state,
     read_trainer,
     weights_file,
+    write_config,
     write_model_description,
 )
 from islands.train.checkpoint import adam_state, read_sharded, write_checkpoint
@@ -139,7 +140,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
                           "a batch that they divide")
     if world.is_main:
         warn_if_bf16_is_slow("train.precision", train.precision, world.device)
-    run_dir = prepare_run_dir(cfg, write=world.is_main)
+    run_dir = prepare_run_dir(cfg, write=False)  # its config is written once the data and network are built
     world.barrier()
     torch.manual_seed(cfg.seed)
 
@@ -153,8 +154,6 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     shape, num_classes = tuple(source.shape), cfg.model.num_classes
     if num_classes and num_classes != source.num_classes:
         raise ConfigError(f"model.num_classes: {num_classes} does not match the data's {source.num_classes} classes")
-    if world.is_main:
-        write_model_description(run_dir, shape, num_classes)
 
     with config_errors("model"):
         net = build_network(cfg.model, shape, num_classes).to(world.device)
@@ -173,6 +172,9 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     if ema is not None:  # a replica that rejoins its peers takes their EMA too
         strategy.share("ema", ema.state_dict, ema.load_state_dict)
     scaler = torch.amp.GradScaler(world.device.type, init_scale=2.0**10, enabled=train.precision == "fp16")
+    if world.is_main:  # only a config that builds lands in the folder
+        write_config(cfg)
+        write_model_description(run_dir, shape, num_classes)
     return Parts(cfg, world, strategy, run_dir, source, shape, num_classes, net, model, opt, ema, scaler, objective)
 
 
