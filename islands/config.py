@@ -5,6 +5,7 @@ line turns it into exit status 2.
 """
 
 import math
+import os
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
@@ -519,11 +520,27 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+# Partition folders, which `islands ddm` keeps in the ensemble beside the runs that read them: spelled relative under
+# `islands ddm`, absolute in its emitted scripts, under another mount on another island. The same place seen from
+# the run's own folder is the same partition (a config's run_dir is spelled the same way as its partition).
+BESIDE_THE_RUN = ("data.partition", "data.shards")
+
+
+def _same_folder(a: dict, b: dict, key: str) -> bool:
+    """Whether `key` names the same folder in both flattened configs, as written or relative to their run_dir."""
+    x, y = a.get(key), b.get(key)
+    if x is None or y is None or x == y:
+        return x == y
+    return os.path.relpath(x, a["run_dir"]) == os.path.relpath(y, b["run_dir"])
+
+
 def trajectory_changes(old: dict, new: dict) -> list[str]:
     """Keys whose change would make a resumed run differ from the one on disk."""
     a, b = flatten(old), flatten(new)
     changed = []
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key) and key not in RESUMABLE_CHANGES and key.split(".")[0] not in RESUMABLE_CHANGES:
+            if key in BESIDE_THE_RUN and _same_folder(a, b, key):
+                continue
             changed.append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
     return changed

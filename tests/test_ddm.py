@@ -15,7 +15,7 @@ import yaml
 from conftest import run_ranks
 
 from islands.cli import main
-from islands.config import to_dict, validate
+from islands.config import to_dict, trajectory_changes, validate
 from islands.data import build_data
 from islands.data.gmm import GaussianMixture
 from islands.ddm.ensemble import file_sha256, load_ensemble, read_manifest, write_manifest
@@ -23,6 +23,7 @@ from islands.ddm.partition import Partition
 from islands.ddm.pipeline import sample_and_evaluate
 from islands.ddm.runs import expert_config, router_config
 from islands.errors import CheckpointError, IslandsWarning
+from islands.rundir import latest_checkpoint, read_state
 
 MEANS = [[2.0, 2.0], [-2.0, 2.0], [-2.0, -2.0], [2.0, -2.0]]
 WEIGHTS = [0.4, 0.3, 0.2, 0.1]
@@ -433,3 +434,35 @@ def test_an_ensemble_whose_members_all_failed_takes_a_corrected_config(relative_
     assert "model.num_classes: 5 does not match" in (where / "ens" / "logs" / "expert0.log").read_text()
     assert yaml.safe_load((where / "ens" / "config.yaml").read_text())["model"]["num_classes"] == 0
     assert (where / "ens" / "ensemble.json").exists()
+
+
+def test_an_expert_half_trained_by_islands_ddm_resumes_from_its_emitted_script(relative_ensemble, tmp_path):
+    """`islands ddm` ran with run_dir=ens, so the experts' configs name their partition 'ens/partition'; the emitted
+    script names it by its absolute path, and another island may mount the folder elsewhere: the same partition."""
+    where, _ = relative_ensemble
+    root = where / "ens"
+    assert yaml.safe_load((root / "experts" / "0" / "config.yaml").read_text())["data"]["partition"] == "ens/partition"
+    assert main(["ddm", str(root / "config.yaml"), f"run_dir={root}", "--emit", "torchrun"]) == 0
+    moved = tmp_path / "mounted-elsewhere"
+    shutil.copytree(root, moved)
+    env = {**os.environ, "ENSEMBLE": str(moved), "NPROC": "1", "OMP_NUM_THREADS": "1"}
+    # twice the ensemble's images: expert 0 goes on from its checkpoint at 256 images to 512
+    done = subprocess.run(["bash", str(moved / "launch" / "1_expert0.sh"), "train.images=1024", "--quiet"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    expert = moved / "experts" / "0"
+    assert read_state(latest_checkpoint(expert))["progress"]["images"] == 512
+    logged = [json.loads(line)["images"] for line in (expert / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [128, 256, 384, 512]  # resumed at 256, not begun again
+    assert yaml.safe_load((expert / "config.yaml").read_text())["data"]["partition"] == f"{moved}/partition"
+
+
+def test_a_partition_is_compared_where_it_lies_beside_the_run_not_as_spelled():
+    def resolved(run_dir: str, partition: str) -> dict:
+        return to_dict(validate({"run_dir": run_dir, "data": {"partition": partition, "cluster": 0}}))
+
+    expert = resolved("ens/experts/0", "ens/partition")
+    assert trajectory_changes(expert, resolved("/mnt/x/ens/experts/0", "/mnt/x/ens/partition")) == []
+    assert trajectory_changes(expert, resolved("/mnt/x/ens/experts/0", "/mnt/x/other/partition")) == [
+        "data.partition: 'ens/partition' -> '/mnt/x/other/partition'"]
+    assert trajectory_changes(resolved("a", "/p"), resolved("b", "/p")) == []  # as written: the same folder
