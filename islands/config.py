@@ -417,13 +417,20 @@ class Config(Section):
 
 
 # Keys a resume may change: they alter how long, how often, on how many ranks and in how many micro-batches,
-# not what is computed (accumulate only reorders float sums, which lets a run move to fewer devices).
+# not what is computed (accumulate only reorders float sums, which lets a run move to fewer devices). Of `parallel`,
+# only the layout: the pipeline's cut, how replicas find each other and how long they wait, and (`_resumable`) a
+# move between the strategies that compute every step alike (resumes across them are tested bit for bit). Local
+# updates' keys (H, the outer step, fragments, replicas, their batches and rates), the wire's precision and which
+# replica a job is change what is computed: they stay as the run began.
 RESUMABLE_CHANGES = {
     "run_dir", "train.images", "train.accumulate", "train.checkpoint_every", "train.keep_checkpoints",
     "train.sample_every", "train.log_every", "train.max_nonfinite", "train.threads", "train.compile", "data.workers",
-    "sample", "parallel",
-    "eval",
+    "sample", "eval",
+    "parallel.timeout_s", "parallel.stages", "parallel.microbatches", "parallel.schedule",
+    "parallel.virtual_stages", "parallel.data", "parallel.lighthouse", "parallel.host", "parallel.min_replicas",
+    "parallel.quorum_timeout_s",
 }
+LOCAL_UPDATES = ("local_sgd", "diloco")  # strategies whose replicas drift apart between synchronisations
 
 
 def _format_error(err: ValidationError) -> str:
@@ -534,13 +541,17 @@ def _same_folder(a: dict, b: dict, key: str) -> bool:
     return os.path.relpath(x, a["run_dir"]) == os.path.relpath(y, b["run_dir"])
 
 
+def _resumable(a: dict, b: dict, key: str) -> bool:
+    """Whether a resume may change `key` from its value in `a` to the one in `b` (flattened configs)."""
+    if key == "parallel.strategy":  # between strategies that compute every step alike, not into or out of local updates
+        return not {a.get(key), b.get(key)} & set(LOCAL_UPDATES)
+    if key in BESIDE_THE_RUN:
+        return _same_folder(a, b, key)
+    return key in RESUMABLE_CHANGES or key.split(".")[0] in RESUMABLE_CHANGES
+
+
 def trajectory_changes(old: dict, new: dict) -> list[str]:
     """Keys whose change would make a resumed run differ from the one on disk."""
     a, b = flatten(old), flatten(new)
-    changed = []
-    for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key) and key not in RESUMABLE_CHANGES and key.split(".")[0] not in RESUMABLE_CHANGES:
-            if key in BESIDE_THE_RUN and _same_folder(a, b, key):
-                continue
-            changed.append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
-    return changed
+    return [f"{key}: {a.get(key)!r} -> {b.get(key)!r}" for key in sorted(set(a) | set(b))
+            if a.get(key) != b.get(key) and not _resumable(a, b, key)]

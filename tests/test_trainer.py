@@ -12,6 +12,7 @@ from islands.config import ConfigError, to_dict, validate
 from islands.errors import IslandsWarning
 from islands.parallel import launch
 from islands.parallel.strategies import Strategy
+from islands.rundir import prepare_run_dir
 from islands.trainer import train
 
 
@@ -46,6 +47,40 @@ def test_a_first_mistake_does_not_lock_the_run_folder_but_a_trained_run_keeps_it
     assert main(["train", config, "train.lr=0.1", "--quiet"]) == 2
     assert capsys.readouterr().err == (f"islands: config error: {tmp_path / 'run'} holds a run with another config "
                                        "(train.lr: 0.001 -> 0.1); use a new run_dir\n")
+
+
+DILOCO = {"strategy": "diloco", "sync_every": 10, "compression": "bf16"}
+
+
+@pytest.mark.parametrize("began,change,refused", [
+    (DILOCO, {"outer_lr": 0.5}, "parallel.outer_lr: 0.7 -> 0.5"),
+    (DILOCO, {"sync_every": 20}, "parallel.sync_every: 10 -> 20"),
+    (DILOCO, {"compression": "none"}, "parallel.compression: 'bf16' -> 'none'"),
+    (DILOCO, {"fragments": 2}, "parallel.fragments: 1 -> 2"),
+    (DILOCO, {"worker_batch": [4, 4]}, "parallel.worker_batch: None -> [4, 4]"),
+    (DILOCO, {"strategy": "local_sgd"}, "parallel.strategy: 'diloco' -> 'local_sgd'"),
+    ({"strategy": "ddp"}, {"strategy": "diloco"}, "parallel.strategy: 'ddp' -> 'diloco'"),
+    (DILOCO, {"timeout_s": 60.0, "quorum_timeout_s": 60.0, "min_replicas": 2}, None),
+    ({"strategy": "fsdp"}, {"strategy": "pipeline", "stages": 2, "microbatches": 2}, None),
+    ({"strategy": "zero1"}, {"strategy": "none"}, None),
+])
+def test_a_resume_refuses_what_changes_the_trajectory_and_takes_another_layout(tmp_path, image_npz, began, change,
+                                                                               refused):
+    """The comparison every rank makes with a run folder that holds a complete checkpoint."""
+    run = tmp_path / "run"
+    before = tiny_unet_config(run, image_npz, parallel=began)
+    (run / "checkpoints" / "000000000016").mkdir(parents=True)
+    (run / "checkpoints" / "000000000016" / "complete").touch()
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(validate(before))))
+    resumed = validate(tiny_unet_config(run, image_npz, parallel={**began, **change}))
+    if refused is None:
+        prepare_run_dir(resumed)
+        assert yaml.safe_load((run / "config.yaml").read_text()) == to_dict(resumed)
+        return
+    with pytest.raises(ConfigError) as err:
+        prepare_run_dir(resumed)
+    assert str(err.value) == f"{run} holds a run with another config ({refused}); use a new run_dir"
+    assert yaml.safe_load((run / "config.yaml").read_text()) == to_dict(validate(before))  # the record stays
 
 
 @pytest.mark.parametrize("native", [True, False])
