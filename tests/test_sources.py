@@ -341,3 +341,28 @@ def test_npz_corrupt_and_missing(tmp_path):
 def test_unknown_source():
     with pytest.raises(ValueError, match="unknown data source"):
         build_source("imagenet")
+
+
+def test_the_fingerprint_of_a_data_file_is_remembered_until_the_file_or_the_options_change(tmp_path, image_npz):
+    import hashlib
+
+    from islands.data.fingerprint import data_fingerprint
+
+    with np.load(image_npz) as data:
+        x, y = data["x"], data["y"]
+    truth = hashlib.sha256(b"64:(1, 8, 8)")  # every example decoded to [-1, 1] in order, then every label
+    truth.update((x.astype(np.float32) / np.float32(127.5) - 1).tobytes())
+    truth.update(y.astype(np.int64).tobytes())
+    source = build_source("npz", path=image_npz)
+    assert data_fingerprint(source) == truth.hexdigest()
+
+    def undecodable(indices):
+        raise AssertionError("decoded again")
+
+    source.get = undecodable
+    assert data_fingerprint(source) == truth.hexdigest()  # remembered
+    unlabelled = build_source("npz", path=image_npz, label_key="")
+    assert data_fingerprint(unlabelled) != truth.hexdigest()  # other options: hashed anew
+    np.savez(image_npz, x=x[::-1], y=y)
+    os.utime(image_npz, ns=(1, 1))  # another state of the file
+    assert data_fingerprint(build_source("npz", path=image_npz)) != truth.hexdigest()

@@ -10,8 +10,13 @@ def build_data(cfg, seed: int) -> Source:
     source = _build_source(cfg, seed)
     if cfg.partition is None:
         return source
-    cluster = read_clusters(cfg.partition, len(source))
+    cluster = read_clusters(cfg.partition, source, data_name(cfg))
     return ClusterLabelled(source, cluster) if cfg.cluster is None else ClusterSubset(source, cluster, cfg.cluster)
+
+
+def data_name(cfg) -> str:
+    """The data a `DataConfig` names, for people: its file or folder, else its kind."""
+    return getattr(cfg, "path", None) or f"the {cfg.source} data"
 
 
 def judged_on(source: Source) -> Source:
@@ -31,4 +36,4 @@ def _build_source(cfg, seed: int) -> Source:
 
 
 __all__ = ["ClusterLabelled", "ClusterSubset", "DataError", "GaussianMixture", "GMMSource", "Source", "build_data",
-           "judged_on"]
+           "data_name", "judged_on"]

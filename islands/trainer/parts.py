@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from islands.config import Config
-from islands.data import ClusterSubset, build_data
+from islands.data import ClusterSubset, build_data, data_name
 from islands.data.clusters import read_clusters
 from islands.data.sources import Source
 from islands.errors import ConfigError, config_errors
@@ -146,7 +146,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
 
     source = build_data(cfg.data, cfg.seed)  # a corrupt file is reported, by name, when a batch reaches it
     if cfg.data.shards is not None:  # replica r trains on cluster r of the partition only
-        clusters = read_clusters(cfg.data.shards, len(source))
+        clusters = read_clusters(cfg.data.shards, source, data_name(cfg.data))
         if int(clusters.max()) + 1 != len(schedule.batches):
             raise ConfigError(f"data.shards: {cfg.data.shards} has {int(clusters.max()) + 1} clusters for "
                               f"{len(schedule.batches)} replicas")
