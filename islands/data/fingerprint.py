@@ -9,6 +9,7 @@ its kind, its options and each file's path, size and modification time; a file c
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from islands.data.sources import Source
@@ -23,21 +24,25 @@ def cache_dir() -> Path:
 
 def data_fingerprint(source: Source) -> str:
     """sha256 of every example and label of `source`, in order; remembered for sources read from files."""
+    return remembered(source, "fingerprint", lambda: _digest(source))
+
+
+def remembered(source: Source, what: str, compute: Callable[[], str]) -> str:
+    """compute(), or what it gave for `what` of this source when it was built alike and its files were as they are
+    now; computed each time for a source not read from files or not built by `build_source`."""
     try:
         stats = [(os.path.abspath(p), s.st_size, s.st_mtime_ns) for p in source.read_from for s in [os.stat(p)]]
-    except OSError:  # a file gone since the source read it: hash what the source holds
+    except OSError:  # a file gone since the source read it
         stats = []
-    if not stats:
-        return _digest(source)
-    key = repr((type(source).__name__, source.options, len(source), tuple(source.shape), stats))
-    path = cache_dir() / "fingerprints" / hashlib.sha256(key.encode()).hexdigest()
+    if not stats or source.options is None:
+        return compute()
+    key = repr((what, source.options, len(source), tuple(source.shape), stats))
+    path = cache_dir() / "sources" / hashlib.sha256(key.encode()).hexdigest()
     try:
-        remembered = path.read_text()
-        if len(remembered) == 64:
-            return remembered
+        return path.read_text()
     except OSError:
         pass
-    found = _digest(source)
+    found = compute()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, found)

@@ -39,8 +39,8 @@ class Source(ABC):
     shape: tuple = ()
     num_classes: int = 0
     flip: bool = False
-    read_from: tuple = ()  # the files its examples are decoded from, and the options of decoding (data/fingerprint.py)
-    options: tuple = ()
+    read_from: tuple = ()  # the files its examples are decoded from (data/fingerprint.py remembers their hash)
+    options: tuple | None = None  # everything it was built with, set by build_source (None: not known)
 
     @abstractmethod
     def __len__(self): ...
@@ -154,7 +154,7 @@ class Mnist5k(_ArraySource):
             raise DataError(f"mnist5k file {path}: labels outside 0..9")
         images = pixels.astype(np.uint8).reshape(-1, 1, 28, 28)
         super().__init__(_image_tensor(images, resolution), torch.from_numpy(labels.copy()), 10)
-        self.read_from, self.options = (path,), (resolution,)
+        self.read_from = (path,)
 
     @staticmethod
     def locate():
@@ -243,7 +243,7 @@ class FashionMnist(_ArraySource):
             raise DataError(f"IDX file {label_file}: labels outside 0..9")
         super().__init__(_image_tensor(images[:, None], resolution),
                          torch.from_numpy(labels.astype(np.int64)), 10)
-        self.read_from, self.options = (image_file, label_file), (resolution,)
+        self.read_from = (image_file, label_file)
 
     @staticmethod
     def _find(directory, stem):
@@ -291,7 +291,7 @@ class ImageFolder(Source):
             if size == 0:
                 raise DataError(f"corrupt image file {f}: file is empty")
         self.files = files
-        self.read_from, self.options = tuple(files), (self.resolution, channels)
+        self.read_from = tuple(files)
 
         parts = [os.path.relpath(f, self.root).split(os.sep) for f in files]
         if all(len(p) > 1 for p in parts):  # every image below an immediate subfolder
@@ -400,7 +400,7 @@ class ArrayFile(_ArraySource):
             y = torch.from_numpy(labels.astype(np.int64))
             num_classes = int(labels.max()) + 1
         super().__init__(data, y, num_classes)
-        self.read_from, self.options = (path,), (key, label_key, resolution)
+        self.read_from = (path,)
 
     @staticmethod
     def _read(path, key, label_key):
@@ -429,4 +429,6 @@ def build_source(name, **options):
     """Construct a source by name; options are the class's keyword arguments."""
     if name not in SOURCES:
         raise ValueError(f"unknown data source {name!r}; choose from {', '.join(SOURCES)}")
-    return SOURCES[name](**options)
+    source = SOURCES[name](**options)
+    source.options = (name, *sorted(options.items()))
+    return source
