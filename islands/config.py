@@ -55,6 +55,9 @@ class FolderData(_Data):
     path: str
     resolution: int = Field(gt=0)
     channels: Literal[1, 3] = 3
+    # what a run checks before its first step, so that a bad file stops it there and not when a batch reaches it:
+    # decode every image (remembered per state of the files), or open each one and verify its structure only
+    check: Literal["decode", "headers"] = "decode"
 
 
 class NpzData(_Data):
@@ -425,7 +428,7 @@ class Config(Section):
 RESUMABLE_CHANGES = {
     "run_dir", "train.images", "train.accumulate", "train.checkpoint_every", "train.keep_checkpoints",
     "train.sample_every", "train.log_every", "train.max_nonfinite", "train.threads", "train.compile", "data.workers",
-    "sample", "eval",
+    "data.check", "sample", "eval",
     "parallel.timeout_s", "parallel.stages", "parallel.microbatches", "parallel.schedule",
     "parallel.virtual_stages", "parallel.data", "parallel.lighthouse", "parallel.host", "parallel.min_replicas",
     "parallel.quorum_timeout_s",

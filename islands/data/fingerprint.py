@@ -4,7 +4,8 @@ the reference statistics are cached under it.
 
 Hashing decodes every example: 0.5 s for Fashion-MNIST's 60,000 images, a full decoding pass for a folder of
 images, at every start of every expert. So the digest of a source read from files is kept in the cache folder, under
-its kind, its options and each file's path, size and modification time; a file changed since is hashed again.
+everything the source was built with and each file's path, size and modification time; a file changed since is
+hashed again. The check a run makes of its data before its first step (`Source.check`) is remembered the same way.
 """
 
 import hashlib

@@ -50,8 +50,8 @@ class Source(ABC):
         """indices: int array -> (float32 (n, *shape), int64 (n,) or None)."""
 
     def check(self):  # noqa: B027 -- a hook that only file-backed sources fill in
-        """Decode everything once so bad files fail now rather than mid-training.
-        In-memory sources were fully validated at load, so nothing to do."""
+        """Fail now, naming the file, on an input that would stop a run when a batch
+        reaches it. In-memory sources were fully validated at load: nothing to do."""
 
     def __repr__(self):
         return (f"{type(self).__name__}(n={len(self)}, shape={self.shape}, "
@@ -262,13 +262,16 @@ class FashionMnist(_ArraySource):
 class ImageFolder(Source):
     """All PNG/JPEG files under `path` (recursive, hidden names skipped). If every
     image sits inside an immediate subfolder, the sorted subfolder names are the
-    classes; otherwise the source is unlabeled."""
+    classes; otherwise the source is unlabeled. `check` says what check() does:
+    decode every image, or only open each file and verify its structure."""
 
-    def __init__(self, path, resolution, channels=3):
+    def __init__(self, path, resolution, channels=3, check="decode"):
         self.resolution = _check_resolution(resolution, required=True)
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {channels!r}")
-        self.channels = channels
+        if check not in ("decode", "headers"):
+            raise ValueError(f"check must be 'decode' or 'headers', got {check!r}")
+        self.channels, self.checks = channels, check
         self.root = os.fspath(path)
         if not os.path.exists(self.root):
             raise DataError(f"image folder {self.root} does not exist")
@@ -315,9 +318,7 @@ class ImageFolder(Source):
                 img = ImageOps.exif_transpose(img)  # phone photos store rotation in EXIF
                 img = img.convert("L" if self.channels == 1 else "RGB")
         except Exception as e:  # decoders of damaged files raise all sorts of things
-            # Pillow often repeats the file name in its message; we already lead with it
-            why = str(e).replace(repr(path), "").strip().rstrip(":") or type(e).__name__
-            raise DataError(f"corrupt image file {path}: {why}") from None
+            raise _corrupt(path, e) from None
         w, h = img.size
         scale = r / min(w, h)
         nw, nh = max(r, round(w * scale)), max(r, round(h * scale))
@@ -336,8 +337,24 @@ class ImageFolder(Source):
         return _to_unit(torch.from_numpy(x)), y
 
     def check(self):
-        for i in range(len(self.files)):
-            self.load(i)
+        """Every image decoded as training would (check='decode'), or each file
+        opened and its structure verified ('headers': a PNG's chunks and their
+        checksums, a JPEG's header only, so a truncated JPEG passes)."""
+        for i, path in enumerate(self.files):
+            if self.checks == "decode":
+                self.load(i)
+                continue
+            try:
+                with Image.open(path) as img:
+                    img.verify()
+            except Exception as e:
+                raise _corrupt(path, e) from None
+
+
+def _corrupt(path, error) -> DataError:
+    # Pillow often repeats the file name in its message; we already lead with it
+    why = str(error).replace(repr(path), "").strip().rstrip(":") or type(error).__name__
+    return DataError(f"corrupt image file {path}: {why}")
 
 
 # -----------------------------------------------------------------------------

@@ -144,7 +144,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     world.barrier()
     torch.manual_seed(cfg.seed)
 
-    source = build_data(cfg.data, cfg.seed)  # a corrupt file is reported, by name, when a batch reaches it
+    source = build_data(cfg.data, cfg.seed, check=True)  # a corrupt file stops the run here, by name
     if cfg.data.shards is not None:  # replica r trains on cluster r of the partition only
         clusters = read_clusters(cfg.data.shards, source, data_name(cfg.data))
         if int(clusters.max()) + 1 != len(schedule.batches):
