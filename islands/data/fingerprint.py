@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from islands.data.sources import Source
-from islands.rundir import atomic_write_text
 
 
 def cache_dir() -> Path:
@@ -44,9 +43,11 @@ def remembered(source: Source, what: str, compute: Callable[[], str]) -> str:
     except OSError:
         pass
     found = compute()
-    try:
+    try:  # whole or not at all, also when experts started at once write it together: a temporary name of its own
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, found)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(found)
+        os.replace(tmp, path)
     except OSError:  # a cache we cannot write costs time, not correctness
         pass
     return found
