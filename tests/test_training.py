@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import tiny_unet
+from conftest import random_images, tiny_unet
 
 from islands.config import load_config, validate
 from islands.data.gmm import GaussianMixture
@@ -258,12 +258,24 @@ def test_flop_count_equals_the_matmul_count_of_a_known_network():
     assert flops_per_image(cfg.model, (2,), 0, objectives.build_objective(cfg, 0), micro_batch=8) == expected
 
 
+SHORT = {"images": 32, "checkpoint_every": 16, "sample_every": 0}
+
+
+@pytest.fixture(scope="module")
+def never_interrupted(tmp_path_factory):
+    """A tiny run of 48 images, checkpointed every 16, and its data."""
+    root = tmp_path_factory.mktemp("straight")
+    data = random_images(root)
+    return train(tiny_unet(root / "run", data, train={**SHORT, "images": 48}), progress=False), data
+
+
 @pytest.mark.parametrize("damaged", ["trainer.pt", "sharded/__0_0.distcp", "state.json"])
-def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_it_bit_identically(tmp_path, image_npz, damaged):
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_it_bit_identically(tmp_path, never_interrupted,
+                                                                                     damaged):
     """A file truncated under its checkpoint's marker (a disk that filled, a copy cut short): the resume warns once,
     takes the checkpoint before it, and the run ends where a run never interrupted ends."""
-    short = {"images": 32, "checkpoint_every": 16, "sample_every": 0}
-    straight = train(tiny_unet(tmp_path / "straight", image_npz, train={**short, "images": 48}), progress=False)
+    straight, image_npz = never_interrupted
+    short = SHORT
     run = train(tiny_unet(tmp_path / "resumed", image_npz, train=short), progress=False)
     earlier, latest = list_checkpoints(run)
     assert (earlier.name, latest.name) == ("000000000016", "000000000032")
