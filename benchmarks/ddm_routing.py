@@ -26,7 +26,7 @@ from pathlib import Path
 
 from benchmarks.common import save, setup, table
 from islands.config import validate
-from islands.data import build_data
+from islands.data import build_data, data_name
 from islands.data.clusters import ClusterLabelled, read_clusters
 from islands.data.gmm import GaussianMixture
 from islands.data.posterior import exact_cluster_posterior
@@ -63,7 +63,8 @@ def config(run_dir: Path, router: dict) -> dict:
 
 def exact_router(cfg):
     source = build_data(cfg.data.model_copy(update={"partition": None, "cluster": None}), cfg.seed)
-    return exact_cluster_posterior(ClusterLabelled(source, read_clusters(partition_dir(cfg), len(source))), K)
+    cluster = read_clusters(partition_dir(cfg), source, data_name(cfg.data))
+    return exact_cluster_posterior(ClusterLabelled(source, cluster), K)
 
 
 def mode_mass_error(root: Path, policy: str, router=None, samples: int = SAMPLES, seeds=SEEDS) -> float:

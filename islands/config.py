@@ -5,6 +5,7 @@ line turns it into exit status 2.
 """
 
 import math
+import os
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
@@ -56,6 +57,9 @@ class FolderData(_Data):
     channels: Literal[1, 3] = 3
     # The grey level (0 black to 255 white) that images with transparency are composited onto; None: white.
     background: int | None = Field(None, ge=0, le=255)
+    # what a run checks before its first step, so that a bad file stops it there and not when a batch reaches it:
+    # decode every image (remembered per state of the files), or open each one and verify its structure only
+    check: Literal["decode", "headers"] = "decode"
 
 
 class NpzData(_Data):
@@ -451,13 +455,20 @@ class Config(Section):
 
 
 # Keys a resume may change: they alter how long, how often, on how many ranks and in how many micro-batches,
-# not what is computed (accumulate only reorders float sums, which lets a run move to fewer devices).
+# not what is computed (accumulate only reorders float sums, which lets a run move to fewer devices). Of `parallel`,
+# only the layout: the pipeline's cut, how replicas find each other and how long they wait, and (`_resumable`) a
+# move between the strategies that compute every step alike (resumes across them are tested bit for bit). Local
+# updates' keys (H, the outer step, fragments, replicas, their batches and rates), the wire's precision and which
+# replica a job is change what is computed: they stay as the run began.
 RESUMABLE_CHANGES = {
     "run_dir", "train.images", "train.accumulate", "train.checkpoint_every", "train.keep_checkpoints",
     "train.sample_every", "train.log_every", "train.max_nonfinite", "train.threads", "train.compile", "data.workers",
-    "sample", "parallel",
-    "eval",
+    "data.check", "sample", "eval",
+    "parallel.timeout_s", "parallel.stages", "parallel.microbatches", "parallel.schedule",
+    "parallel.virtual_stages", "parallel.data", "parallel.lighthouse", "parallel.host", "parallel.min_replicas",
+    "parallel.quorum_timeout_s",
 }
+LOCAL_UPDATES = ("local_sgd", "diloco")  # strategies whose replicas drift apart between synchronisations
 
 
 def _format_error(err: ValidationError) -> str:
@@ -554,11 +565,31 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+# Partition folders, which `islands ddm` keeps in the ensemble beside the runs that read them: spelled relative under
+# `islands ddm`, absolute in its emitted scripts, under another mount on another island. The same place seen from
+# the run's own folder is the same partition (a config's run_dir is spelled the same way as its partition).
+BESIDE_THE_RUN = ("data.partition", "data.shards")
+
+
+def _same_folder(a: dict, b: dict, key: str) -> bool:
+    """Whether `key` names the same folder in both flattened configs, as written or relative to their run_dir."""
+    x, y = a.get(key), b.get(key)
+    if x is None or y is None or x == y:
+        return x == y
+    return os.path.relpath(x, a["run_dir"]) == os.path.relpath(y, b["run_dir"])
+
+
+def _resumable(a: dict, b: dict, key: str) -> bool:
+    """Whether a resume may change `key` from its value in `a` to the one in `b` (flattened configs)."""
+    if key == "parallel.strategy":  # between strategies that compute every step alike, not into or out of local updates
+        return not {a.get(key), b.get(key)} & set(LOCAL_UPDATES)
+    if key in BESIDE_THE_RUN:
+        return _same_folder(a, b, key)
+    return key in RESUMABLE_CHANGES or key.split(".")[0] in RESUMABLE_CHANGES
+
+
 def trajectory_changes(old: dict, new: dict) -> list[str]:
     """Keys whose change would make a resumed run differ from the one on disk."""
     a, b = flatten(old), flatten(new)
-    changed = []
-    for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key) and key not in RESUMABLE_CHANGES and key.split(".")[0] not in RESUMABLE_CHANGES:
-            changed.append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
-    return changed
+    return [f"{key}: {a.get(key)!r} -> {b.get(key)!r}" for key in sorted(set(a) | set(b))
+            if a.get(key) != b.get(key) and not _resumable(a, b, key)]

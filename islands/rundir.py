@@ -139,21 +139,36 @@ def _first_reason(message: str) -> str:
 
 # --- the run's description -----------------------------------------------------------------------------------------
 
-def prepare_run_dir(cfg: Config, write: bool = True, holds: str = "a run", may_change: tuple[str, ...] = ()) -> Path:
+def prepare_run_dir(cfg: Config, write: bool = True, holds: str = "a run", may_change: tuple[str, ...] = (),
+                    bound: bool | None = None) -> Path:
     """Create the run directory, or check that the one there holds this same run (every rank checks); keys in
-    `may_change` may differ too. Then write the resolved config."""
+    `may_change` may differ too. The config there binds only once something was trained on it (`bound`; by default,
+    whether the folder holds a complete checkpoint): before that a corrected config replaces one that failed, so a
+    first mistake never locks the folder. Then (with `write`) write the resolved config."""
     run_dir = Path(cfg.run_dir)
-    resolved = to_dict(cfg)
     config_file = run_dir / CONFIG
-    if config_file.exists():
-        changes = [c for c in trajectory_changes(yaml.safe_load(config_file.read_text()), resolved)
+    if bound is None:
+        bound = latest_checkpoint(run_dir) is not None
+    if bound and config_file.exists():
+        changes = [c for c in trajectory_changes(yaml.safe_load(config_file.read_text()), to_dict(cfg))
                    if c.split(":")[0] not in may_change]
         if changes:
             raise ConfigError(f"{run_dir} holds {holds} with another config ({changes[0]}); use a new run_dir")
     if write:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(config_file, yaml.safe_dump(resolved, sort_keys=False))
+        write_config(cfg)
     return run_dir
+
+
+def write_config(cfg: Config) -> None:
+    """The resolved config, in its run directory (created if need be)."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / CONFIG, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def trained_below(folder: Path) -> bool:
+    """Whether any run in `folder` or below it holds a complete checkpoint (an ensemble's members, say)."""
+    return any(p.parent.name.isdigit() for p in Path(folder).glob(f"**/checkpoints/*/{MARKER}"))
 
 
 def write_model_description(run_dir: Path, shape: tuple, num_classes: int) -> None:

@@ -16,7 +16,7 @@ import yaml
 from conftest import a_feature_module, run_ranks
 
 from islands.cli import main
-from islands.config import to_dict, validate
+from islands.config import to_dict, trajectory_changes, validate
 from islands.data import build_data
 from islands.data.gmm import GaussianMixture
 from islands.ddm.ensemble import file_sha256, load_ensemble, read_manifest, write_manifest
@@ -24,6 +24,7 @@ from islands.ddm.partition import Partition
 from islands.ddm.pipeline import sample_and_evaluate
 from islands.ddm.runs import expert_config, router_config
 from islands.errors import CheckpointError, IslandsWarning
+from islands.rundir import latest_checkpoint, read_state
 
 MEANS = [[2.0, 2.0], [-2.0, 2.0], [-2.0, -2.0], [2.0, -2.0]]
 WEIGHTS = [0.4, 0.3, 0.2, 0.1]
@@ -457,3 +458,70 @@ def test_experts_spread_over_two_ranks_sample_what_one_process_samples(ensemble,
     assert one.shape == two.shape == (30, 2) and np.allclose(one, two, atol=1e-5), np.abs(one - two).max()
     moved = float(run.stdout.split("images/s, ")[1].split(" MB")[0])
     assert "2 ranks:" in run.stdout and moved > 0  # samples really travelled to the other rank's experts
+
+
+def tiny_ddm_config() -> dict:
+    """Two experts of 256 images each on a 2-D mixture of two modes: an ensemble built in seconds."""
+    return {"seed": 1, "data": {"source": "gmm", "means": [[2.0, 2.0], [-2.0, -2.0]], "std": 0.3, "size": 2000},
+            "model": {"arch": "mlp", "hidden": 16, "depth": 2},
+            "train": {"images": 512, "batch_size": 64, "lr": 2e-3, "ema_halflife_images": 100,
+                      "checkpoint_every": 256, "log_every": 256},
+            "sample": {"num": 16, "steps": 4}, "eval": {"num": 200},
+            "ddm": {"k": 2, "partition": {"fine": 16, "balanced": False},
+                    "router": {"images": 128, "batch_size": 64, "hidden": 16, "depth": 2}}}
+
+
+@pytest.fixture(scope="module")
+def relative_ensemble(tmp_path_factory):
+    """`islands ddm ddm.yaml run_dir=ens`, run in the folder that holds both; its first attempt named a class count
+    the data does not have, so every member failed before its first checkpoint, and the second corrected it.
+    -> (the folder, the exit status of each attempt)."""
+    where = tmp_path_factory.mktemp("relative")
+    (where / "ddm.yaml").write_text(yaml.safe_dump(tiny_ddm_config()))
+    cwd = os.getcwd()
+    os.chdir(where)
+    try:
+        codes = [main(["ddm", "ddm.yaml", "run_dir=ens", *wrong, "--quiet"]) for wrong in (["model.num_classes=5"], [])]
+    finally:
+        os.chdir(cwd)
+    return where, codes
+
+
+def test_an_ensemble_whose_members_all_failed_takes_a_corrected_config(relative_ensemble):
+    where, codes = relative_ensemble
+    assert codes == [1, 0]  # a member failed; then the corrected config was taken and the ensemble built
+    assert "model.num_classes: 5 does not match" in (where / "ens" / "logs" / "expert0.log").read_text()
+    assert yaml.safe_load((where / "ens" / "config.yaml").read_text())["model"]["num_classes"] == 0
+    assert (where / "ens" / "ensemble.json").exists()
+
+
+def test_an_expert_half_trained_by_islands_ddm_resumes_from_its_emitted_script(relative_ensemble, tmp_path):
+    """`islands ddm` ran with run_dir=ens, so the experts' configs name their partition 'ens/partition'; the emitted
+    script names it by its absolute path, and another island may mount the folder elsewhere: the same partition."""
+    where, _ = relative_ensemble
+    root = where / "ens"
+    assert yaml.safe_load((root / "experts" / "0" / "config.yaml").read_text())["data"]["partition"] == "ens/partition"
+    assert main(["ddm", str(root / "config.yaml"), f"run_dir={root}", "--emit", "torchrun"]) == 0
+    moved = tmp_path / "mounted-elsewhere"
+    shutil.copytree(root, moved)
+    env = {**os.environ, "ENSEMBLE": str(moved), "NPROC": "1", "OMP_NUM_THREADS": "1"}
+    # twice the ensemble's images: expert 0 goes on from its checkpoint at 256 images to 512
+    done = subprocess.run(["bash", str(moved / "launch" / "1_expert0.sh"), "train.images=1024", "--quiet"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    expert = moved / "experts" / "0"
+    assert read_state(latest_checkpoint(expert))["progress"]["images"] == 512
+    logged = [json.loads(line)["images"] for line in (expert / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [128, 256, 384, 512]  # resumed at 256, not begun again
+    assert yaml.safe_load((expert / "config.yaml").read_text())["data"]["partition"] == f"{moved}/partition"
+
+
+def test_a_partition_is_compared_where_it_lies_beside_the_run_not_as_spelled():
+    def resolved(run_dir: str, partition: str) -> dict:
+        return to_dict(validate({"run_dir": run_dir, "data": {"partition": partition, "cluster": 0}}))
+
+    expert = resolved("ens/experts/0", "ens/partition")
+    assert trajectory_changes(expert, resolved("/mnt/x/ens/experts/0", "/mnt/x/ens/partition")) == []
+    assert trajectory_changes(expert, resolved("/mnt/x/ens/experts/0", "/mnt/x/other/partition")) == [
+        "data.partition: 'ens/partition' -> '/mnt/x/other/partition'"]
+    assert trajectory_changes(resolved("a", "/p"), resolved("b", "/p")) == []  # as written: the same folder

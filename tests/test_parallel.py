@@ -28,7 +28,7 @@ from islands.data.sources import build_source
 from islands.errors import TrainingStopped
 from islands.nets import build_network
 from islands.parallel.costs import bytes_per_step
-from islands.parallel.launch import free_port
+from islands.parallel.launch import World, free_port
 from islands.parallel.ledger import bytes_sent
 from islands.rundir import checkpoint_dir, latest_checkpoint, list_checkpoints, load_weights, read_state
 from islands.train.checkpoint import adam_state, read_sharded
@@ -245,6 +245,33 @@ def test_an_fsdp_checkpoint_resumes_under_ddp_bit_identically(tmp_path, two_rank
     result = on_ranks(2, exact_config(moved), tmp_path, "parallel.strategy=ddp")
     assert result.returncode == 0, result.stderr[-3000:]
     assert exported(moved) == exported(exact_reference)
+
+
+def test_a_damaged_shard_sends_every_rank_back_to_the_checkpoint_before(tmp_path, two_rank_run, exact_reference):
+    """Each rank reads its own slices, from any rank's file: a failure of any rank must be every rank's, or they
+    would resume from different checkpoints (and hang at their first collective)."""
+    moved = tmp_path / "moved"
+    shutil.copytree(two_rank_run("fsdp"), moved)
+    earlier, latest = list_checkpoints(moved)
+    shard = latest / "sharded" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    result = on_ranks(2, exact_config(moved), tmp_path, "parallel.strategy=fsdp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    warned = [line for line in result.stderr.splitlines() if line.startswith("islands: warning: checkpoint")]
+    assert len(warned) == 1 and warned[0].endswith(f"resumed from {earlier}, the latest that can be"), warned
+    assert exported(moved) == exported(exact_reference)
+
+
+def test_a_checkpoint_another_rank_cannot_read_is_passed_over_by_this_one_too():
+    from islands.trainer.parts import agreed
+
+    class AnotherRankFailed(World):
+        def all_finite(self, flag: bool) -> bool:
+            return False
+
+    assert agreed(World(), lambda: None) is None
+    assert agreed(AnotherRankFailed(), lambda: None) == "another rank cannot read it"
+    assert agreed(World(), lambda: read_state(Path("/nonexistent"))).startswith("FileNotFoundError: ")
 
 
 def sharded_state_of_one_process(cfg) -> dict:

@@ -9,8 +9,10 @@ import matplotlib
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_unet_config, write_config
 from PIL import Image
 
+from islands.cli import main
 from islands.data.gmm import GMMSource
 from islands.data.sources import _ArraySource
 from islands.ddm.partition import Partition, kmeans, partition, pca, save_cluster_picture
@@ -283,3 +285,39 @@ def test_picture_of_vector_clusters_is_a_scatter_coloured_by_cluster(tmp_path, b
     tab10 = (np.array(matplotlib.colormaps["tab10"].colors[:5]) * 255).round().astype(int)
     present = [(np.abs(picture - colour).sum(-1) == 0).sum() for colour in tab10]
     assert min(present[:4]) > 50 and present[4] == 0  # four clusters, four colours
+
+
+def tiny_ensemble_config(tmp_path, data) -> str:
+    """Two experts of the tiny U-Net on a random split of `data`, in tmp_path/ens."""
+    return write_config(tmp_path / "c.yaml", tiny_unet_config(tmp_path / "ens", data, train={"images": 16},
+                                                             ddm={"k": 2, "partition": {"method": "random"}}))
+
+
+def test_an_expert_refuses_data_other_than_its_partition_was_made_of(tmp_path, image_npz, capsys):
+    """The same number of examples is not the same data: an expert would train on another cluster's images."""
+    config = tiny_ensemble_config(tmp_path, image_npz)
+    assert main(["partition", config, "--quiet"]) == 0
+    with np.load(image_npz) as data:
+        x, y = data["x"], data["y"]
+    np.savez(image_npz, x=255 - x, y=y)  # other images, as many
+    capsys.readouterr()
+    assert main(["train", config, "expert=0", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"islands: partition {tmp_path / 'ens' / 'partition'} was made of other data than {image_npz} (the "
+                   "same 64 examples in number, not in content); use the data it was made of or partition again\n")
+    assert not (tmp_path / "ens" / "experts" / "0" / "checkpoints").exists()
+    np.savez(image_npz, x=x, y=y)  # the data it was made of, written anew: hashed again, and it is the same
+    assert main(["train", config, "expert=0", "--quiet"]) == 0
+
+
+def test_a_partition_that_records_no_data_fingerprint_is_checked_by_length_with_one_warning(tmp_path, image_npz,
+                                                                                            capsys):
+    config = tiny_ensemble_config(tmp_path, image_npz)
+    assert main(["partition", config, "--quiet"]) == 0
+    meta = tmp_path / "ens" / "partition" / "partition.json"
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "data_sha256"}))
+    capsys.readouterr()
+    assert main(["train", config, "expert=1", "--quiet"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == [f"islands: warning: partition {tmp_path / 'ens' / 'partition'} records no fingerprint of its "
+                      f"data: {image_npz} is checked by its length only; partition again to have it checked"]

@@ -360,3 +360,53 @@ def test_npz_corrupt_and_missing(tmp_path):
 def test_unknown_source():
     with pytest.raises(ValueError, match="unknown data source"):
         build_source("imagenet")
+
+
+def test_the_fingerprint_of_a_data_file_is_remembered_until_the_file_or_the_options_change(tmp_path, image_npz):
+    import hashlib
+
+    from islands.data.fingerprint import data_fingerprint
+
+    with np.load(image_npz) as data:
+        x, y = data["x"], data["y"]
+    truth = hashlib.sha256(b"64:(1, 8, 8)")  # every example decoded to [-1, 1] in order, then every label
+    truth.update((x.astype(np.float32) / np.float32(127.5) - 1).tobytes())
+    truth.update(y.astype(np.int64).tobytes())
+    source = build_source("npz", path=image_npz)
+    assert data_fingerprint(source) == truth.hexdigest()
+
+    def undecodable(indices):
+        raise AssertionError("decoded again")
+
+    source.get = undecodable
+    assert data_fingerprint(source) == truth.hexdigest()  # remembered
+    unlabelled = build_source("npz", path=image_npz, label_key="")
+    assert data_fingerprint(unlabelled) != truth.hexdigest()  # other options: hashed anew
+    np.savez(image_npz, x=x[::-1], y=y)
+    os.utime(image_npz, ns=(1, 1))  # another state of the file
+    assert data_fingerprint(build_source("npz", path=image_npz)) != truth.hexdigest()
+
+
+@pytest.mark.parametrize("check,damaged", [({}, "b.jpg"), ({"check": "headers"}, "a.png")])
+def test_a_damaged_image_stops_a_run_before_anything_is_written_naming_the_file(tmp_path, capsys, check, damaged):
+    """A truncated file would stop the run when a batch reaches it; data.check finds it before the first step: the
+    default decodes every image, 'headers' verifies a PNG's chunks (not a JPEG's data)."""
+    from conftest import tiny_unet_config, write_config
+
+    from islands.cli import main
+
+    root = tmp_path / "images"
+    rng = np.random.default_rng(0)
+    for i in range(16):
+        save_image(root / ("cats", "dogs")[i % 2] / f"{i}.png", (12, 12), int(rng.integers(0, 256)), mode="L")
+    save_image(root / "cats" / "a.png", (12, 12), 7, mode="L")
+    save_image(root / "cats" / "b.jpg", (12, 12), 7, mode="L")
+    bad = root / "cats" / damaged
+    bad.write_bytes(bad.read_bytes()[:-40])
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "c.yaml", tiny_unet_config(
+        run, root, data={"source": "folder", "resolution": 8, "channels": 1, **check}, model={"num_classes": 2}))
+    assert main(["train", config, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"islands: corrupt image file {bad}: ") and err.count("\n") == 1, err
+    assert not run.exists() or not any(run.iterdir())  # no step taken: no config, metrics or checkpoint

@@ -4,13 +4,15 @@ warning where bf16 is emulated, and keys of another kind refused by the config's
 import warnings
 
 import pytest
+import yaml
 from conftest import tiny_unet, tiny_unet_config, write_config
 
 from islands.cli import main
-from islands.config import ConfigError, validate
+from islands.config import ConfigError, to_dict, validate
 from islands.errors import IslandsWarning
 from islands.parallel import launch
 from islands.parallel.strategies import Strategy
+from islands.rundir import prepare_run_dir
 from islands.trainer import train
 
 
@@ -28,6 +30,57 @@ def test_a_network_that_does_not_fit_its_sizes_is_a_config_error_naming_the_key(
     assert main(["train", config, "model.num_heads=3", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err == "islands: config error: model: channels (16) must be divisible by num_heads (3)\n"
+
+
+def test_a_first_mistake_does_not_lock_the_run_folder_but_a_trained_run_keeps_its_config(tmp_path, capsys, image_npz):
+    config = write_config(tmp_path / "c.yaml", tiny_unet_config(tmp_path / "run", image_npz, train={"images": 16}))
+    assert main(["train", config, "model.num_heads=3", "--quiet"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert not (tmp_path / "run" / "config.yaml").exists()  # a config that does not build never lands
+    # a folder where an earlier start left its config but no checkpoint (an interrupted first run) takes another
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump(to_dict(validate(
+        tiny_unet_config(tmp_path / "run", image_npz, model={"num_classes": 5})))))
+    assert main(["train", config, "--quiet"]) == 0
+    capsys.readouterr()
+    # once it holds a checkpoint, the run's config binds
+    assert main(["train", config, "train.lr=0.1", "--quiet"]) == 2
+    assert capsys.readouterr().err == (f"islands: config error: {tmp_path / 'run'} holds a run with another config "
+                                       "(train.lr: 0.001 -> 0.1); use a new run_dir\n")
+
+
+DILOCO = {"strategy": "diloco", "sync_every": 10, "compression": "bf16"}
+
+
+@pytest.mark.parametrize("began,change,refused", [
+    (DILOCO, {"outer_lr": 0.5}, "parallel.outer_lr: 0.7 -> 0.5"),
+    (DILOCO, {"sync_every": 20}, "parallel.sync_every: 10 -> 20"),
+    (DILOCO, {"compression": "none"}, "parallel.compression: 'bf16' -> 'none'"),
+    (DILOCO, {"fragments": 2}, "parallel.fragments: 1 -> 2"),
+    (DILOCO, {"worker_batch": [4, 4]}, "parallel.worker_batch: None -> [4, 4]"),
+    (DILOCO, {"strategy": "local_sgd"}, "parallel.strategy: 'diloco' -> 'local_sgd'"),
+    ({"strategy": "ddp"}, {"strategy": "diloco"}, "parallel.strategy: 'ddp' -> 'diloco'"),
+    (DILOCO, {"timeout_s": 60.0, "quorum_timeout_s": 60.0, "min_replicas": 2}, None),
+    ({"strategy": "fsdp"}, {"strategy": "pipeline", "stages": 2, "microbatches": 2}, None),
+    ({"strategy": "zero1"}, {"strategy": "none"}, None),
+])
+def test_a_resume_refuses_what_changes_the_trajectory_and_takes_another_layout(tmp_path, image_npz, began, change,
+                                                                               refused):
+    """The comparison every rank makes with a run folder that holds a complete checkpoint."""
+    run = tmp_path / "run"
+    before = tiny_unet_config(run, image_npz, parallel=began)
+    (run / "checkpoints" / "000000000016").mkdir(parents=True)
+    (run / "checkpoints" / "000000000016" / "complete").touch()
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(validate(before))))
+    resumed = validate(tiny_unet_config(run, image_npz, parallel={**began, **change}))
+    if refused is None:
+        prepare_run_dir(resumed)
+        assert yaml.safe_load((run / "config.yaml").read_text()) == to_dict(resumed)
+        return
+    with pytest.raises(ConfigError) as err:
+        prepare_run_dir(resumed)
+    assert str(err.value) == f"{run} holds a run with another config ({refused}); use a new run_dir"
+    assert yaml.safe_load((run / "config.yaml").read_text()) == to_dict(validate(before))  # the record stays
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -1,12 +1,14 @@
 """The training loop: learning a known distribution, exact resume, accumulation, guards, EMA."""
 
+import warnings
+
 import pytest
 import torch
-from conftest import tiny_unet
+from conftest import random_images, tiny_unet
 
 from islands.config import load_config, validate
 from islands.data.gmm import GaussianMixture
-from islands.errors import TrainingStopped
+from islands.errors import CheckpointError, IslandsWarning, TrainingStopped
 from islands.generate import generate, load_denoiser
 from islands.nets import build_network
 from islands.rundir import latest_checkpoint, list_checkpoints, load_weights, read_state, read_trainer
@@ -254,3 +256,44 @@ def test_flop_count_equals_the_matmul_count_of_a_known_network():
     linear = {n: m.in_features * m.out_features for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
     expected = 6 * sum(linear.values()) - 2 * (linear["proj_in"] + linear["embed.time.mlp.0"])
     assert flops_per_image(cfg.model, (2,), 0, objectives.build_objective(cfg, 0), micro_batch=8) == expected
+
+
+SHORT = {"images": 32, "checkpoint_every": 16, "sample_every": 0}
+
+
+@pytest.fixture(scope="module")
+def never_interrupted(tmp_path_factory):
+    """A tiny run of 48 images, checkpointed every 16, and its data."""
+    root = tmp_path_factory.mktemp("straight")
+    data = random_images(root)
+    return train(tiny_unet(root / "run", data, train={**SHORT, "images": 48}), progress=False), data
+
+
+@pytest.mark.parametrize("damaged", ["trainer.pt", "sharded/__0_0.distcp", "state.json"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before_it_bit_identically(tmp_path, never_interrupted,
+                                                                                     damaged):
+    """A file truncated under its checkpoint's marker (a disk that filled, a copy cut short): the resume warns once,
+    takes the checkpoint before it, and the run ends where a run never interrupted ends."""
+    straight, image_npz = never_interrupted
+    short = SHORT
+    run = train(tiny_unet(tmp_path / "resumed", image_npz, train=short), progress=False)
+    earlier, latest = list_checkpoints(run)
+    assert (earlier.name, latest.name) == ("000000000016", "000000000032")
+    whole = (latest / damaged).read_bytes()
+    (latest / damaged).write_bytes(whole[:len(whole) // 2])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(tiny_unet(run, image_npz, train={**short, "images": 48}), progress=False)
+    said = [str(w.message) for w in caught if issubclass(w.category, IslandsWarning)]
+    assert len(said) == 1 and said[0].startswith(f"checkpoint {latest} cannot be read ("), said
+    assert said[0].endswith(f"); resumed from {earlier}, the latest that can be")
+    (m1, e1, s1), (m2, e2, s2) = _weights(straight), _weights(run)
+    assert s1 == s2 and s1["progress"]["images"] == 48
+    for name in m1:
+        assert torch.equal(m1[name], m2[name]), name
+        assert torch.equal(e1[name], e2[name]), name
+    if damaged == "trainer.pt":  # none readable: refused, not begun again
+        for ckpt in list_checkpoints(run):
+            (ckpt / damaged).write_bytes(b"")
+        with pytest.raises(CheckpointError, match=f"no checkpoint of {run} can be read"):
+            train(tiny_unet(run, image_npz, train={**short, "images": 64}), progress=False)

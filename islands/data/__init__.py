@@ -1,17 +1,32 @@
 """Data sources, the Gaussian-mixture source, and the stream-ordered loader."""
 
 from islands.data.clusters import ClusterLabelled, ClusterSubset, read_clusters
+from islands.data.fingerprint import remembered
 from islands.data.gmm import GaussianMixture, GMMSource
 from islands.data.sources import DataError, Source, build_source
 
 
-def build_data(cfg, seed: int) -> Source:
-    """The source a `DataConfig` names, with only the options that source takes, seen through its partition."""
+def build_data(cfg, seed: int, check: bool = False) -> Source:
+    """The source a `DataConfig` names, with only the options that source takes, seen through its partition. With
+    `check`, a file that would stop a run mid-training stops it now, by name (`Source.check`, once per state of the
+    files)."""
     source = _build_source(cfg, seed)
+    if check:
+        remembered(source, "check", lambda: _passed(source))
     if cfg.partition is None:
         return source
-    cluster = read_clusters(cfg.partition, len(source))
+    cluster = read_clusters(cfg.partition, source, data_name(cfg))
     return ClusterLabelled(source, cluster) if cfg.cluster is None else ClusterSubset(source, cluster, cfg.cluster)
+
+
+def data_name(cfg) -> str:
+    """The data a `DataConfig` names, for people: its file or folder, else its kind."""
+    return getattr(cfg, "path", None) or f"the {cfg.source} data"
+
+
+def _passed(source: Source) -> str:
+    source.check()
+    return "passed"
 
 
 def judged_on(source: Source) -> Source:
@@ -31,4 +46,4 @@ def _build_source(cfg, seed: int) -> Source:
 
 
 __all__ = ["ClusterLabelled", "ClusterSubset", "DataError", "GaussianMixture", "GMMSource", "Source", "build_data",
-           "judged_on"]
+           "data_name", "judged_on"]

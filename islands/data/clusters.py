@@ -2,27 +2,46 @@
 each example's cluster (the router's data). The partition folder is written by `islands partition`."""
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from islands.data.fingerprint import data_fingerprint
 from islands.data.sources import Source
-from islands.errors import DataError
+from islands.errors import DataError, IslandsWarning
 from islands.rundir import read_npz
 
 
-def read_clusters(partition_dir: str | Path, num_examples: int) -> np.ndarray:
-    """The cluster of every example, from assignments.npz (read without unpickling)."""
+def read_clusters(partition_dir: str | Path, source: Source, data: str) -> np.ndarray:
+    """The cluster of every example of `source` (named `data` in errors), from assignments.npz (read without
+    unpickling), once the data is known to be what the partition was made of: the fingerprint in partition.json."""
     path = Path(partition_dir) / "assignments.npz"
     try:
         arrays = read_npz(path, ("cluster",), required=("cluster",))
     except ValueError as err:
         raise DataError(f"cannot read partition {path}: {err}; run 'islands partition' first") from None
     cluster = np.asarray(arrays["cluster"], dtype=np.int64)
-    if cluster.shape != (num_examples,):
-        raise DataError(f"partition {path} assigns {cluster.shape[0]} examples, the data has {num_examples}")
+    if cluster.shape != (len(source),):
+        raise DataError(f"partition {path} assigns {cluster.shape[0]} examples, the data has {len(source)}")
+    made_of = _data_sha256(Path(partition_dir) / "partition.json")
+    if made_of is None:
+        warnings.warn(f"partition {partition_dir} records no fingerprint of its data: {data} is checked by its "
+                      "length only; partition again to have it checked", IslandsWarning, stacklevel=2)
+    elif made_of != data_fingerprint(source):
+        raise DataError(f"partition {partition_dir} was made of other data than {data} (the same {len(source)} "
+                        "examples in number, not in content); use the data it was made of or partition again")
     return cluster
+
+
+def _data_sha256(meta: Path) -> str | None:
+    """The fingerprint of the data a partition was made of, if its partition.json records one."""
+    try:
+        found = json.loads(meta.read_text()).get("data_sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
 
 
 def read_prior_table(partition_dir: str | Path, num_classes: int) -> torch.Tensor:

@@ -39,6 +39,8 @@ class Source(ABC):
     shape: tuple = ()
     num_classes: int = 0
     flip: bool = False
+    read_from: tuple = ()  # the files its examples are decoded from (data/fingerprint.py remembers their hash)
+    options: tuple | None = None  # everything it was built with, set by build_source (None: not known)
 
     @abstractmethod
     def __len__(self): ...
@@ -48,8 +50,8 @@ class Source(ABC):
         """indices: int array -> (float32 (n, *shape), int64 (n,) or None)."""
 
     def check(self):  # noqa: B027 -- a hook that only file-backed sources fill in
-        """Decode everything once so bad files fail now rather than mid-training.
-        In-memory sources were fully validated at load, so nothing to do."""
+        """Fail now, naming the file, on an input that would stop a run when a batch
+        reaches it. In-memory sources were fully validated at load: nothing to do."""
 
     def __repr__(self):
         return (f"{type(self).__name__}(n={len(self)}, shape={self.shape}, "
@@ -152,6 +154,7 @@ class Mnist5k(_ArraySource):
             raise DataError(f"mnist5k file {path}: labels outside 0..9")
         images = pixels.astype(np.uint8).reshape(-1, 1, 28, 28)
         super().__init__(_image_tensor(images, resolution), torch.from_numpy(labels.copy()), 10)
+        self.read_from = (path,)
 
     @staticmethod
     def locate():
@@ -240,6 +243,7 @@ class FashionMnist(_ArraySource):
             raise DataError(f"IDX file {label_file}: labels outside 0..9")
         super().__init__(_image_tensor(images[:, None], resolution),
                          torch.from_numpy(labels.astype(np.int64)), 10)
+        self.read_from = (image_file, label_file)
 
     @staticmethod
     def _find(directory, stem):
@@ -260,13 +264,17 @@ class ImageFolder(Source):
     image sits inside an immediate subfolder, the sorted subfolder names are the
     classes; otherwise the source is unlabeled. Images with transparency (RGBA,
     LA, a palette or grey level marked transparent) are composited onto the grey
-    level `background` (None: white, 255) before their alpha is dropped."""
+    level `background` (None: white, 255) before their alpha is dropped. `check`
+    says what check() does: decode every image, or only open each file and verify
+    its structure."""
 
-    def __init__(self, path, resolution, channels=3, background=None):
+    def __init__(self, path, resolution, channels=3, background=None, check="decode"):
         self.resolution = _check_resolution(resolution, required=True)
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {channels!r}")
-        self.channels = channels
+        if check not in ("decode", "headers"):
+            raise ValueError(f"check must be 'decode' or 'headers', got {check!r}")
+        self.channels, self.checks = channels, check
         self.background = 255 if background is None else int(background)
         self.root = os.fspath(path)
         if not os.path.exists(self.root):
@@ -290,6 +298,7 @@ class ImageFolder(Source):
             if size == 0:
                 raise DataError(f"corrupt image file {f}: file is empty")
         self.files = files
+        self.read_from = tuple(files)
 
         parts = [os.path.relpath(f, self.root).split(os.sep) for f in files]
         if all(len(p) > 1 for p in parts):  # every image below an immediate subfolder
@@ -317,9 +326,7 @@ class ImageFolder(Source):
                     img = Image.alpha_composite(canvas, img.convert("RGBA"))
                 img = img.convert("L" if self.channels == 1 else "RGB")
         except Exception as e:  # decoders of damaged files raise all sorts of things
-            # Pillow often repeats the file name in its message; we already lead with it
-            why = str(e).replace(repr(path), "").strip().rstrip(":") or type(e).__name__
-            raise DataError(f"corrupt image file {path}: {why}") from None
+            raise _corrupt(path, e) from None
         w, h = img.size
         scale = r / min(w, h)
         nw, nh = max(r, round(w * scale)), max(r, round(h * scale))
@@ -338,8 +345,24 @@ class ImageFolder(Source):
         return _to_unit(torch.from_numpy(x)), y
 
     def check(self):
-        for i in range(len(self.files)):
-            self.load(i)
+        """Every image decoded as training would (check='decode'), or each file
+        opened and its structure verified ('headers': a PNG's chunks and their
+        checksums, a JPEG's header only, so a truncated JPEG passes)."""
+        for i, path in enumerate(self.files):
+            if self.checks == "decode":
+                self.load(i)
+                continue
+            try:
+                with Image.open(path) as img:
+                    img.verify()
+            except Exception as e:
+                raise _corrupt(path, e) from None
+
+
+def _corrupt(path, error) -> DataError:
+    # Pillow often repeats the file name in its message; we already lead with it
+    why = str(error).replace(repr(path), "").strip().rstrip(":") or type(error).__name__
+    return DataError(f"corrupt image file {path}: {why}")
 
 
 # -----------------------------------------------------------------------------
@@ -402,6 +425,7 @@ class ArrayFile(_ArraySource):
             y = torch.from_numpy(labels.astype(np.int64))
             num_classes = int(labels.max()) + 1
         super().__init__(data, y, num_classes)
+        self.read_from = (path,)
 
     @staticmethod
     def _read(path, key, label_key):
@@ -430,4 +454,6 @@ def build_source(name, **options):
     """Construct a source by name; options are the class's keyword arguments."""
     if name not in SOURCES:
         raise ValueError(f"unknown data source {name!r}; choose from {', '.join(SOURCES)}")
-    return SOURCES[name](**options)
+    source = SOURCES[name](**options)
+    source.options = (name, *sorted(options.items()))
+    return source

@@ -21,9 +21,10 @@ import torch
 from tqdm import tqdm
 
 from islands.config import ConfigError
+from islands.data.fingerprint import data_fingerprint
 from islands.data.sources import Source
 from islands.errors import DataError
-from islands.eval.features import Features, Pixels, data_fingerprint
+from islands.eval.features import Features, Pixels
 from islands.images import save_grid
 from islands.rundir import atomic_write, atomic_write_text, read_npz
 

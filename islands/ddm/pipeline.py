@@ -30,7 +30,7 @@ from islands.eval.evaluate import Evaluator, build_features, entry_key, format_t
 from islands.flow.samplers import evaluations_per_sample
 from islands.generate import load_denoiser
 from islands.images import save_samples_picture, save_side_by_side
-from islands.rundir import describe_run, latest_checkpoint, prepare_run_dir
+from islands.rundir import describe_run, latest_checkpoint, prepare_run_dir, trained_below
 from islands.train.flops import flops_per_image
 from islands.train.objectives import build_objective
 
@@ -63,9 +63,10 @@ def run_partition(cfg: Config, progress: bool = True) -> Partition:
 
 
 def _save_ensemble_config(cfg: Config) -> None:
-    """ENSEMBLE/config.yaml: the resolved config every member is trained from. An ensemble already there with other
-    settings is refused, not overwritten (its members were trained on those); the yardstick may be added later."""
-    prepare_run_dir(cfg, holds="an ensemble", may_change=("ddm.monolith",))
+    """ENSEMBLE/config.yaml: the resolved config every member is trained from. An ensemble with other settings whose
+    members have trained (a complete checkpoint) is refused, not overwritten; one whose members all failed before
+    their first checkpoint takes the corrected config. The yardstick may be added later."""
+    prepare_run_dir(cfg, holds="an ensemble", may_change=("ddm.monolith",), bound=trained_below(ensemble_dir(cfg)))
 
 
 def _finished(run: Path, images: int) -> bool:

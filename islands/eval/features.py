@@ -11,7 +11,6 @@
 
 import hashlib
 import importlib
-import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -22,27 +21,12 @@ from torch import nn
 from tqdm import tqdm
 
 from islands.config import ConfigError
+from islands.data.fingerprint import cache_dir, data_fingerprint
 from islands.data.sources import Source
 from islands.errors import CheckpointError
 from islands.rundir import load_weights, save_weights
 
 BATCH = 512
-
-
-def cache_dir() -> Path:
-    """Where trained classifiers and reference statistics are kept: $ISLANDS_CACHE or ~/.cache/islands."""
-    return Path(os.environ.get("ISLANDS_CACHE", Path.home() / ".cache" / "islands"))
-
-
-def data_fingerprint(source: Source) -> str:
-    """sha256 of every example and label, in order: what the classifier and the statistics were made of."""
-    digest = hashlib.sha256(f"{len(source)}:{tuple(source.shape)}".encode())
-    for lo in range(0, len(source), 4096):
-        x, y = source.get(list(range(lo, min(len(source), lo + 4096))))
-        digest.update(x.float().contiguous().numpy().tobytes())
-        if y is not None:
-            digest.update(y.long().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 class Features(ABC):

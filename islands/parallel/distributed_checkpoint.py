@@ -89,8 +89,16 @@ def save_sharded(state: dict, path: Path, group=None) -> None:
 
 
 def load_sharded(state: dict, path: Path, group=None) -> None:
-    """Fill the tensors of `state` in place (each rank its own slices) from the checkpoint at `path`."""
+    """Fill the tensors of `state` in place (each rank its own slices) from the checkpoint at `path`. A file that
+    cannot be read (truncated, say) raises UnsafeCheckpoint on every rank, whichever rank read it; some tensors
+    may have been filled by then."""
     reader = _SafeReader(str(path))
     reader.read_metadata()  # fails here with a plain message; inside dcp.load it would come wrapped
-    with _single_process_is_intended():
-        dcp.load(state, storage_reader=reader, process_group=group)
+    try:
+        with _single_process_is_intended():
+            dcp.load(state, storage_reader=reader, process_group=group)
+    except CheckpointException as err:  # every rank's failures, gathered by DCP (not even an Exception)
+        rank, (failure, _) = next(iter(err.failures.items()))
+        said = (str(failure).strip().splitlines() or [""])[0]
+        why = f"{type(failure).__name__}: {said}" if said else type(failure).__name__
+        raise UnsafeCheckpoint(f"cannot read {path} (rank {rank}: {why})") from None

@@ -1,16 +1,18 @@
 """The parts of a run, built from its config: strategy, data, network, wrapped model, optimizer, EMA, loss scaler
 and objective; resumed from the run directory's latest checkpoint; written into a new one."""
 
+import pickle
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from islands.config import Config
-from islands.data import ClusterSubset, build_data
+from islands.data import ClusterSubset, build_data, data_name
 from islands.data.clusters import read_clusters
 from islands.data.sources import Source
-from islands.errors import ConfigError, config_errors
+from islands.errors import CheckpointError, ConfigError, IslandsWarning, config_errors
 from islands.generate import network_with_weights
 from islands.nets import build_network
 from islands.parallel.build import build_strategy
@@ -18,11 +20,13 @@ from islands.parallel.launch import World, warn_if_bf16_is_slow
 from islands.parallel.strategies import Strategy
 from islands.rundir import (
     latest_checkpoint,
+    list_checkpoints,
     load_weights,
     prepare_run_dir,
     read_state,
     read_trainer,
     weights_file,
+    write_config,
     write_model_description,
 )
 from islands.train.checkpoint import adam_state, read_sharded, write_checkpoint
@@ -71,18 +75,43 @@ class Parts:
         return self.strategy.checkpoint_layout(held or self.held_state())
 
     def resume(self) -> Progress:
-        """Load the latest complete checkpoint in place (resharded to this run's layout and world size)."""
-        ckpt = latest_checkpoint(self.run_dir)
-        if ckpt is None:
-            return Progress()
+        """Load the latest complete checkpoint that can be read, in place (resharded to this run's layout and world
+        size). One that cannot (a file truncated under its marker) is passed over, with one warning, for the one
+        before it, which fills every tensor again; every rank takes the same one. A run none of whose checkpoints
+        can be read is refused rather than begun again."""
+        found = list_checkpoints(self.run_dir)
+        reasons = []
+        for ckpt in reversed(found):
+            loaded = self._load(ckpt)
+            if isinstance(loaded, str):
+                reasons.append(loaded)
+                continue
+            if reasons and self.main:
+                warnings.warn(f"checkpoint {found[-1]} cannot be read ({reasons[0]}); resumed from {ckpt}, the latest "
+                              "that can be", IslandsWarning, stacklevel=2)
+            return loaded
+        if found:
+            raise CheckpointError(f"no checkpoint of {self.run_dir} can be read (the latest, {found[-1]}: "
+                                  f"{reasons[0]}); move checkpoints/ aside to train from the start")
+        return Progress()
+
+    def _load(self, ckpt: Path) -> Progress | str:
+        """The checkpoint's state in the parts and its progress, or why it cannot be read: the same on every rank."""
+        small = {}
+
+        def read_small():  # every rank reads them, and must know before the collective read whether all could
+            small.update(trainer=read_trainer(ckpt), progress=Progress(**read_state(ckpt)["progress"]))
+
         held = self.held_state()
-        read_sharded(ckpt, self.sharded_state(held), self.world.group)
+        why = agreed(self.world, read_small) or agreed(
+            self.world, lambda: read_sharded(ckpt, self.sharded_state(held), self.world.group))
+        if why:
+            return why
         self.strategy.resumed()
         self.net.load_state_dict(held["model"])
-        trainer = read_trainer(ckpt)
-        self.scaler.load_state_dict(trainer["scaler"])
-        torch.set_rng_state(trainer["rng"])
-        return Progress(**read_state(ckpt)["progress"])
+        self.scaler.load_state_dict(small["trainer"]["scaler"])
+        torch.set_rng_state(small["trainer"]["rng"])
+        return small["progress"]
 
     def save_checkpoint(self, progress: Progress) -> Path:
         """Every rank writes its shards; rank 0 the whole weights (and EMA), the trainer's state and the counters."""
@@ -139,13 +168,13 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
                           "a batch that they divide")
     if world.is_main:
         warn_if_bf16_is_slow("train.precision", train.precision, world.device)
-    run_dir = prepare_run_dir(cfg, write=world.is_main)
+    run_dir = prepare_run_dir(cfg, write=False)  # its config is written once the data and network are built
     world.barrier()
     torch.manual_seed(cfg.seed)
 
-    source = build_data(cfg.data, cfg.seed)  # a corrupt file is reported, by name, when a batch reaches it
+    source = build_data(cfg.data, cfg.seed, check=True)  # a corrupt file stops the run here, by name
     if cfg.data.shards is not None:  # replica r trains on cluster r of the partition only
-        clusters = read_clusters(cfg.data.shards, len(source))
+        clusters = read_clusters(cfg.data.shards, source, data_name(cfg.data))
         if int(clusters.max()) + 1 != len(schedule.batches):
             raise ConfigError(f"data.shards: {cfg.data.shards} has {int(clusters.max()) + 1} clusters for "
                               f"{len(schedule.batches)} replicas")
@@ -153,8 +182,6 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     shape, num_classes = tuple(source.shape), cfg.model.num_classes
     if num_classes and num_classes != source.num_classes:
         raise ConfigError(f"model.num_classes: {num_classes} does not match the data's {source.num_classes} classes")
-    if world.is_main:
-        write_model_description(run_dir, shape, num_classes)
 
     with config_errors("model"):
         net = build_network(cfg.model, shape, num_classes).to(world.device)
@@ -173,7 +200,27 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     if ema is not None:  # a replica that rejoins its peers takes their EMA too
         strategy.share("ema", ema.state_dict, ema.load_state_dict)
     scaler = torch.amp.GradScaler(world.device.type, init_scale=2.0**10, enabled=train.precision == "fp16")
+    if world.is_main:  # only a config that builds lands in the folder
+        write_config(cfg)
+        write_model_description(run_dir, shape, num_classes)
     return Parts(cfg, world, strategy, run_dir, source, shape, num_classes, net, model, opt, ema, scaler, objective)
+
+
+# What reading a damaged checkpoint raises: our readers' errors, torch.load's and json's, a state.json of other keys.
+UNREADABLE = (CheckpointError, RuntimeError, pickle.UnpicklingError, OSError, ValueError, EOFError, KeyError, TypeError)
+
+
+def agreed(world: World, read) -> str | None:
+    """read() on every rank; None if it worked on all of them, else why (this rank's reason, or another's failure)."""
+    why = None
+    try:
+        read()
+    except UNREADABLE as err:
+        said = (str(err).strip().splitlines() or [""])[0].split(". ")[0]  # torch.load's first sentence is the reason
+        why = f"{type(err).__name__}: {said}" if said else type(err).__name__
+    if world.all_finite(why is None):  # the world's AND
+        return None
+    return why or "another rank cannot read it"
 
 
 def start_from(net: torch.nn.Module, run_dir: Path) -> None:
