@@ -159,8 +159,9 @@ class DDPStrategy(Strategy):
     def check_consistency(self, net: nn.Module) -> None:
         # Two different sums per tensor: a rank that drifted cannot match both by accident.
         with torch.no_grad():
-            sums = torch.stack([torch.stack([p.double().sum(), (p.double() * torch.arange(p.numel(),
-                                dtype=torch.float64).reshape(p.shape).sin()).sum()]) for p in net.parameters()])
+            sums = torch.stack([torch.stack([p.double().sum(), (p.double() * torch.arange(
+                p.numel(), dtype=torch.float64, device=p.device).reshape(p.shape).sin()).sum()])
+                for p in net.parameters()])
         low, high = sums.clone(), sums.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.world.group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.world.group)
