@@ -11,7 +11,17 @@ subclass whose operations run on the CPU tensor they wrap.
 
 Importing this module registers the backend, which cannot be undone and changes `torch.accelerator` for the whole
 process: import it only in a process of its own (tests/test_devices.py starts one).
+
+What it cannot show: anything of CUDA itself (its kernels and their numerics, TF32, memory and its limits, the
+CUDA generator that draws dropout on a GPU), autocast's casting rules (autocast passes fakegpu's operations through
+unchanged), streams, `non_blocking` copies and pinned memory (fakegpu works synchronously; the loader pins only
+for `cuda`), torch.compile, NCCL and everything that needs a process group of several ranks (DDP, FSDP, pipeline
+stages; their collectives here are stand-ins on one rank), and the code that branches on `device.type == "cuda"`
+(the backend's choice is tested apart). It is stricter than CUDA in one respect: CUDA accepts CPU index tensors
+into a CUDA tensor, fakegpu refuses them.
 """
+
+import contextlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -118,13 +128,42 @@ class FakeGpuMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class _Stream:
+    """fakegpu's one stream: its work is done, synchronously, by the time an operation returns."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
 class _Backend(_DummyBackendModule):
-    """`torch.fakegpu`: what autocast and lazy initialisation ask of a device module."""
+    """`torch.fakegpu`: what autocast, lazy initialisation, fork_rng and DCP's copies to the host ask of a device
+    module."""
+
+    _stream = _Stream()
+
+    def current_stream(self, device=None) -> _Stream:
+        return self._stream
+
+    def stream(self, stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def synchronize(self, device=None) -> None:
+        pass
 
     def get_amp_supported_dtype(self) -> list[torch.dtype]:
         return [torch.float16, torch.bfloat16]
 
     def _lazy_init(self) -> None:
+        pass
+
+    # Its random numbers come from the CPU's generator, which torch.random.fork_rng saves and restores anyway.
+    def get_rng_state(self, device=None) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_rng_state(self, state: torch.Tensor, device=None) -> None:
         pass
 
 
