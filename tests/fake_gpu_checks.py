@@ -109,16 +109,17 @@ def train_on_fake_gpu(monkeypatch, cfg: dict):
 
 def test_a_unet_run_in_fp16_from_loader_workers(monkeypatch, tmp_path):
     cfg = tiny_unet_config(tmp_path / "run", random_images(tmp_path), data={"workers": 1},
-                           train={"images": 16, "precision": "fp16", "checkpoint_every": 16, "sample_every": 16},
-                           eval={"every": 16, "num": 8, "val_size": 8, "val_times": 2, "features": "pixels"})
+                           train={"images": 8, "precision": "fp16", "checkpoint_every": 8, "sample_every": 8},
+                           sample={"num": 4, "steps": 2},
+                           eval={"every": 8, "num": 8, "val_size": 8, "val_times": 2, "features": "pixels"})
     run_dir = train_on_fake_gpu(monkeypatch, cfg)
     assert read_trainer(latest_checkpoint(run_dir))["scaler"]["scale"] > 0  # the loss scaler took part
     assert {"val_loss", "fd"} <= set(read_metrics(run_dir, "eval")[-1])
 
 
 def test_a_dit_run(monkeypatch, tmp_path):
-    cfg = tiny_unet_config(tmp_path / "run", random_images(tmp_path),
-                           train={"images": 16, "checkpoint_every": 16, "sample_every": 16})
+    cfg = tiny_unet_config(tmp_path / "run", random_images(tmp_path), sample={"num": 4, "steps": 2},
+                           train={"images": 8, "checkpoint_every": 8, "sample_every": 8})
     cfg["model"] = {"arch": "dit", "num_classes": 4, "patch_size": 2, "hidden_size": 16, "depth": 2, "num_heads": 2}
     train_on_fake_gpu(monkeypatch, cfg)
 
