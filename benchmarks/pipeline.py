@@ -64,10 +64,12 @@ class _Held:
 
 def _batches(step: int):
     """The global batch of a step, the same in every process: digits, labels and stream positions."""
+    from islands.data.batch import Batch
+
     x, y = mnist()
     g = torch.Generator().manual_seed(step)
     idx = torch.randint(len(x), (BATCH,), generator=g)
-    return x[idx], y[idx], torch.arange(step * BATCH, (step + 1) * BATCH)
+    return Batch(x[idx], y[idx], torch.arange(step * BATCH, (step + 1) * BATCH))
 
 
 def _objective():
@@ -96,11 +98,11 @@ def one_process(threads: int) -> dict:
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     times = []
     for step in range(WARMUP + STEPS):
-        x0, labels, positions = _batches(step)
+        batch = _batches(step)
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            loss = objective(net, x0, labels, positions).mean()
+            loss = objective(net, batch).mean()
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - start)

@@ -19,6 +19,7 @@ is the warm-up; we report the median over the later windows of several runs.
 
     python -m benchmarks trainer_overhead
     python -m benchmarks.trainer_overhead --profile    # where a plain Islands run spends its time
+    python -m benchmarks.trainer_overhead --profile --workers 1    # with the loader (and its draws) in a process
 """
 
 import cProfile
@@ -85,11 +86,13 @@ def interleaved_run() -> list[tuple[float, float]]:
     return rates[1:]  # the first window is the warm-up
 
 
-def profile_islands() -> None:
-    """cProfile of a plain Islands run (no bare loop): torch ops, then the loop's own functions."""
+def profile_islands(workers: int = 0) -> None:
+    """cProfile of a plain Islands run (no bare loop), its loader in `workers` processes (which cProfile does not
+    see): torch ops, then the loop's own functions."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = islands_config(tmp, UNET, PRECISION, images=BATCH * WINDOW_STEPS * (WINDOWS + 1),
                              log_every=BATCH * WINDOW_STEPS)
+        cfg.data.workers = workers
         prof = cProfile.Profile()
         prof.runcall(islands.trainer.loop.train, cfg, progress=False)
     out = io.StringIO()
@@ -140,6 +143,6 @@ def run() -> dict:
 if __name__ == "__main__":
     setup()
     if "--profile" in sys.argv:
-        profile_islands()
+        profile_islands(int(sys.argv[sys.argv.index("--workers") + 1]) if "--workers" in sys.argv else 0)
     else:
         run()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from islands.config import ConfigError, validate
+from islands.data.batch import Batch
 from islands.ddm.ensemble import _entry, _expert
 from islands.ddm.mixture import ExpertSlot, Mixture, PriorRouter
 from islands.flow.denoiser import EPSILON_T_MAX, NetworkDenoiser
@@ -177,7 +178,7 @@ def test_training_on_the_discrete_schedule_draws_integer_steps(kind):
 
     objective = build_objective(cfg, num_classes=0)
     count = 4000
-    objective(net, torch.zeros(count, 2), torch.zeros(count, dtype=torch.long), torch.arange(count))
+    objective(net, Batch(torch.zeros(count, 2), torch.zeros(count, dtype=torch.long), torch.arange(count)))
     steps = seen[0].double() * 10
     assert torch.equal(steps, steps.round()) and steps.min() >= 0 and steps.max() <= 9
     share = torch.bincount(steps.round().long(), minlength=10).double() / count

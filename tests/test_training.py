@@ -1,5 +1,6 @@
 """The training loop: learning a known distribution, exact resume, accumulation, guards, EMA."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -7,7 +8,11 @@ import torch
 from conftest import random_images, tiny_unet
 
 from islands.config import load_config, validate
+from islands.data import streams
+from islands.data.batch import Batch
 from islands.data.gmm import GaussianMixture
+from islands.data.loader import stream_loader
+from islands.data.sources import build_source
 from islands.errors import CheckpointError, IslandsWarning, TrainingStopped
 from islands.generate import generate, load_denoiser
 from islands.nets import build_network
@@ -243,6 +248,29 @@ def test_loader_workers_and_fp16_loss_scaling(tmp_path, image_npz):
     scaler = read_trainer(latest_checkpoint(run_dir))["scaler"]
     assert scaler["scale"] > 0 and state["progress"]["images"] == 96
     assert read_metrics(run_dir)[-1]["loss"] < 10
+
+
+def test_the_loader_draws_each_examples_noise_time_and_label_dropout_from_its_position(tmp_path, image_npz):
+    """What the loader's workers draw is the stream of each example's position (DESIGN.md section 3), and the
+    objective turns it into the same inputs, bit for bit, as when it draws them itself for a batch that comes
+    without them; micro-batches keep each example's draws."""
+    cfg = tiny_unet(tmp_path, image_npz, train={"label_dropout": 0.5})
+    batch = next(iter(stream_loader(build_source("npz", path=image_npz), 8, cfg.seed, start=16, workers=2)))
+    positions = list(range(16, 24))
+    assert batch.positions.tolist() == positions
+    assert torch.equal(batch.noise, streams.normal(cfg.seed, positions, (1, 8, 8)))
+    assert torch.equal(batch.u_time, streams.uniform(cfg.seed, positions, "time"))
+    assert torch.equal(batch.u_drop, streams.uniform(cfg.seed, positions, "label_drop"))
+    objective = objectives.build_objective(cfg, 4)
+    bare = dataclasses.replace(batch, noise=None, u_time=None, u_drop=None)
+    (inputs, target), (bare_inputs, bare_target) = objective.inputs_and_target(batch), objective.inputs_and_target(bare)
+    assert all(torch.equal(a, b) for a, b in zip([*inputs, target], [*bare_inputs, bare_target], strict=True))
+    dropped = inputs[2] == 4  # the "no label" token
+    assert torch.equal(dropped, batch.u_drop < 0.5) and 0 < int(dropped.sum()) < 8
+    halves = batch.chunk(2)
+    assert [h.positions.tolist() for h in halves] == [positions[:4], positions[4:]]
+    joined = Batch.cat(halves)
+    assert all(torch.equal(a, b) for a, b in zip(joined.tensors().values(), batch.tensors().values(), strict=True))
 
 
 def test_flop_count_equals_the_matmul_count_of_a_known_network():

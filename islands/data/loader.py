@@ -3,8 +3,9 @@
 Position n of the stream is example perm_e[n mod N] of epoch e = n div N, with perm_e keyed on
 (seed, e). Global batch b covers positions [b B, (b + 1) B); rank r of W takes the r-th contiguous
 slice of it (replicas that differ in batch or update frequency read by islands.data.schedule, which is
-this layout when they are alike). Each example keeps its position, from which its noise, time and flip are drawn, so the
-trajectory does not depend on W, on the accumulation count, or on where a run was resumed.
+this layout when they are alike). Each example keeps its position, from which its flip, noise, time and label dropout
+are drawn here, so the trajectory does not depend on W, on the accumulation count, on the loader's workers or on
+where a run was resumed.
 """
 
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from islands.data import streams
+from islands.data.batch import Batch
 from islands.data.schedule import WorkerSchedule
 
 
@@ -50,25 +52,23 @@ class StreamOrder:
 
 
 class StreamDataset(Dataset):
-    """Fetches examples by (index, position) and applies the position-keyed horizontal flip."""
+    """Fetches examples by (index, position), applies the position-keyed horizontal flip and draws each example's
+    training randomness from its position (in the loader's workers, when it has any)."""
 
     def __init__(self, source, seed: int, flip: bool):
         self.source, self.seed, self.flip = source, seed, flip
 
-    def __getitems__(self, items: list[tuple[int, int]]):
+    def __getitems__(self, items: list[tuple[int, int]]) -> Batch:
         indices = [i for i, _ in items]
         positions = [p for _, p in items]
         x, y = self.source.get(indices)
         if self.flip:
             flip = streams.uniform(self.seed, positions, "flip") < 0.5
             x = torch.where(flip.reshape(-1, *([1] * (x.dim() - 1))), x.flip(-1), x)
-        if y is None:
+        labelled = y is not None
+        if not labelled:
             y = torch.full((len(items),), -1, dtype=torch.long)
-        return x, y, torch.tensor(positions, dtype=torch.long)
-
-    def __getitem__(self, item: tuple[int, int]):
-        x, y, p = self.__getitems__([item])
-        return x[0], y[0], p[0]
+        return Batch(x, y, torch.tensor(positions, dtype=torch.long)).drawn(self.seed, labelled)
 
 
 def _already_batched(batch):
@@ -77,13 +77,15 @@ def _already_batched(batch):
 
 def stream_loader(source, batch_size: int, seed: int, start: int = 0, rank: int = 0, world: int = 1,
                   workers: int = 0, flip: bool | None = None, schedule: WorkerSchedule | None = None, part: int = 0,
-                  parts: int = 1, own_order: bool = False) -> DataLoader:
-    """Infinite loader of (x, labels or -1, positions) for this rank's slice of each global batch of `batch_size`
-    images (`world` ranks), or, given a schedule, of replica `rank`'s batches (its `part` of `parts`)."""
+                  parts: int = 1, own_order: bool = False, pin_memory: bool = False) -> DataLoader:
+    """Infinite loader of `Batch`es for this rank's slice of each global batch of `batch_size` images (`world`
+    ranks), or, given a schedule, of replica `rank`'s batches (its `part` of `parts`); in page-locked memory with
+    `pin_memory`, for a GPU to copy asynchronously."""
     schedule = schedule or WorkerSchedule.even(batch_size, world)
     order = StreamOrder(len(source), schedule, seed, start, rank, part, parts, own_order)
     dataset = StreamDataset(source, seed, source.flip if flip is None else flip)
     # Its own generator: a DataLoader iterator otherwise draws its worker seed from the global RNG,
     # which would shift dropout masks after a resume.
     return DataLoader(dataset, batch_sampler=order, collate_fn=_already_batched, num_workers=workers,
-                      prefetch_factor=4 if workers else None, generator=torch.Generator().manual_seed(seed))
+                      prefetch_factor=4 if workers else None, generator=torch.Generator().manual_seed(seed),
+                      pin_memory=pin_memory)

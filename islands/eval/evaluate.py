@@ -79,8 +79,9 @@ def trusted_features(cfg: EvalConfig, feature_net: str | None, config_file: Path
 class Evaluator:
     """Holds what does not change between evaluations: the features, the data's statistics and labels."""
 
-    def __init__(self, source: Source, cfg: EvalConfig, seed: int = 0, progress: bool = False):
-        self.source, self.cfg, self.seed, self.progress = source, cfg, seed, progress
+    def __init__(self, source: Source, cfg: EvalConfig, seed: int = 0, progress: bool = False, device="cpu"):
+        """`device`: where the denoiser handed to each call runs (its exact velocity error is asked there)."""
+        self.source, self.cfg, self.seed, self.progress, self.device = source, cfg, seed, progress, device
         self.features = build_features(cfg, source, seed, progress)
         self._reference = None
 
@@ -158,20 +159,20 @@ class Evaluator:
                 mass = exact.mode_mass(gmm, x)
                 out["mode_mass_error"], out["mode_mass"] = mass["max_abs_error"], mass["mass"]
             if "velocity_mse" in names:
-                out["velocity_mse"] = exact.velocity_error(denoiser, gmm, seed=self.seed)
+                out["velocity_mse"] = exact.velocity_error(denoiser, gmm, seed=self.seed, device=self.device)
         return out
 
 
 def generated(denoiser: Denoiser, shape: tuple, num: int, opts: SampleConfig, seed: int, num_classes: int,
-              progress: bool = False, prepare=None):
-    """Batches of (samples, labels) from the per-sample noise stream; images clamped to the data range.
-    `prepare` as in `generate`."""
+              progress: bool = False, prepare=None, device="cpu"):
+    """Batches of (samples, labels) on the CPU from the per-sample noise stream, drawn by `denoiser` on `device`;
+    images clamped to the data range. `prepare` as in `generate`."""
     labels = sample_labels(num, num_classes)
     bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
     for lo in range(0, num, opts.batch_size):
         n = min(opts.batch_size, num - lo)
         batch_labels = None if labels is None else labels[lo:lo + n]
-        x = generate(denoiser, shape, n, opts, seed, batch_labels, first=lo, prepare=prepare)
+        x = generate(denoiser, shape, n, opts, seed, batch_labels, first=lo, prepare=prepare, device=device)
         bar.update(n)
         yield (x.clamp(-1, 1) if len(shape) == 3 else x), batch_labels
     bar.close()

@@ -12,7 +12,8 @@ def exchange(parts: list[list[torch.Tensor]], world: World, ledger: Ledger | Non
     """parts[d]: the tensors this rank sends to rank d, each with the same number of rows (and, slot by slot, the
     same trailing shape and dtype on every rank). -> for each source rank s, the tensors s sent here, in its order.
     Two all_to_all_single calls per slot kind: the row counts, then each tensor's rows."""
-    sizes = torch.tensor([p[0].shape[0] for p in parts], dtype=torch.long)
+    # the counts travel where the rows do, so that one backend carries the whole exchange
+    sizes = torch.tensor([p[0].shape[0] for p in parts], dtype=torch.long, device=parts[0][0].device)
     incoming = torch.empty_like(sizes)
     dist.all_to_all_single(incoming, sizes, group=world.group)
     send_splits, recv_splits = sizes.tolist(), incoming.tolist()

@@ -40,7 +40,7 @@ class World:
         """Whether every rank saw a finite step: all ranks must skip a step together."""
         if not self.distributed:
             return flag
-        t = torch.tensor([1.0 if flag else 0.0])
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)  # on the device: NCCL carries it on GPUs
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
 
@@ -48,7 +48,7 @@ class World:
         """Logged scalars averaged over ranks."""
         if not self.distributed:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.group)
         return (t / self.size).tolist()
 
@@ -82,8 +82,15 @@ def _store(rank: int, size: int, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"islands/attempt_{attempt}", store)
 
 
+def backend_for(device: torch.device) -> str:
+    """The process group's backend for a run on `device`: on GPUs NCCL for CUDA tensors and gloo beside it, since
+    an NCCL-only group refuses every CPU tensor ("No backend type associated with device type cpu") and a collective
+    that meets one (a count kept on the host, `islands plan`'s probe) would fail on its first call; gloo on CPUs."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def init_world(timeout_s: float = 600.0) -> World:
-    """Join the process group torchrun prepared (NCCL on GPUs, gloo on CPUs), or stay single."""
+    """Join the process group torchrun prepared (NCCL and gloo on GPUs, gloo on CPUs), or stay single."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -95,8 +102,7 @@ def init_world(timeout_s: float = 600.0) -> World:
         return World(device=device)
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=_store(rank, size, timeout), rank=rank, world_size=size,
+        dist.init_process_group(backend_for(device), store=_store(rank, size, timeout), rank=rank, world_size=size,
                                 timeout=timeout)
     return World(rank=rank, size=size, local_rank=local_rank, device=device)
 

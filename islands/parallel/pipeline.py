@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils.flop_counter import FlopCounterMode
 
+from islands.data.batch import Batch
 from islands.parallel.launch import World
 from islands.parallel.strategies import WIRE_DTYPES, Strategy, averaged
 
@@ -181,11 +182,10 @@ class PipelineStrategy(Strategy):
             for p, g in zip(params, mean, strict=True):
                 p.grad = g
 
-    def forward_backward(self, model, loss, micro_batches: list, scaler) -> torch.Tensor:
+    def forward_backward(self, model, loss, micro_batches: list[Batch], scaler) -> torch.Tensor:
         """One schedule step over this rank's batch: stage 0 gets the noised inputs, the last stage the targets;
         the schedule splits both into `parallel.microbatches` and averages the gradients over them."""
-        x0, labels, positions = (torch.cat(parts) for parts in zip(*micro_batches, strict=True))
-        inputs, target = loss.inputs_and_target(x0, labels, positions)
+        inputs, target = loss.inputs_and_target(Batch.cat(micro_batches))
         self.objective, losses = loss, []
         first = any(stage.is_first for stage in self.pipeline)
         last = any(stage.is_last for stage in self.pipeline)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from islands.data.batch import Batch
 from islands.data.schedule import WorkerSchedule
 from islands.parallel.activation_checkpointing import checkpoint_blocks
 from islands.parallel.launch import World
@@ -74,15 +75,15 @@ class Strategy:
             return contextlib.nullcontext()
         return torch.autocast(self.world.device.type, dtype=dtype)
 
-    def forward_backward(self, model: nn.Module, loss, micro_batches: list, scaler) -> torch.Tensor:
-        """Gradients of one optimizer step: `loss(model, *micro_batch)` (per example) over the micro-batches, scaled
+    def forward_backward(self, model: nn.Module, loss, micro_batches: list[Batch], scaler) -> torch.Tensor:
+        """Gradients of one optimizer step: `loss(model, micro_batch)` (per example) over the micro-batches, scaled
         by `scaler` and by 1 / their number, synchronised once, on the last one. -> the step's mean loss."""
         total = torch.zeros((), device=self.world.device)
         for i, batch in enumerate(micro_batches):
             sync = contextlib.nullcontext() if i == len(micro_batches) - 1 else self.no_sync(model)
             with sync:
                 with self.autocast():
-                    value = loss(model, *batch).mean()
+                    value = loss(model, batch).mean()
                 scaler.scale(value / len(micro_batches)).backward()
             total += value.detach() / len(micro_batches)
         return total
@@ -159,8 +160,9 @@ class DDPStrategy(Strategy):
     def check_consistency(self, net: nn.Module) -> None:
         # Two different sums per tensor: a rank that drifted cannot match both by accident.
         with torch.no_grad():
-            sums = torch.stack([torch.stack([p.double().sum(), (p.double() * torch.arange(p.numel(),
-                                dtype=torch.float64).reshape(p.shape).sin()).sum()]) for p in net.parameters()])
+            sums = torch.stack([torch.stack([p.double().sum(), (p.double() * torch.arange(
+                p.numel(), dtype=torch.float64, device=p.device).reshape(p.shape).sin()).sum()])
+                for p in net.parameters()])
         low, high = sums.clone(), sums.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.world.group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.world.group)

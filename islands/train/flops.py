@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from islands.data.batch import Batch
 from islands.nets import build_network
 from islands.parallel.activation_checkpointing import checkpoint_blocks
 
@@ -37,7 +38,7 @@ def _replay(model, shape, num_classes, objective, micro_batch, checkpointing, de
         x = torch.zeros(micro_batch, *shape, device=device)
         labels = torch.zeros(micro_batch, dtype=torch.long, device=device)
         with FlopCounterMode(display=False) as counter:
-            objective(net, x, labels, torch.arange(micro_batch)).mean().backward()
+            objective(net, Batch(x, labels, torch.arange(micro_batch))).mean().backward()
     return counter.get_total_flops() / micro_batch
 
 

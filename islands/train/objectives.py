@@ -1,8 +1,9 @@
 """What a run learns: a denoiser (diffusion), a router of noised examples to their clusters, or a student of an
 ensemble (distillation), behind one interface.
 
-An objective maps (net, x0, labels, stream positions) to a per-example loss. All its randomness (noise, time,
-label dropout) is drawn from the examples' stream positions by `draw`, so an interrupted run continues exactly
+An objective maps (net, a `Batch`) to a per-example loss. All its randomness (noise, time, label dropout) comes
+from the examples' stream positions, drawn by the loader (or by `Batch.drawn` for a batch that comes without it)
+and turned into the objective's own noise, time and condition by `draw`, so an interrupted run continues exactly
 where it stopped. `produces` says what comes out of the run ("denoiser": sample and evaluate it; "router": report
 its accuracy by t), so the trainer picks its reporters without asking which objective it holds.
 """
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from islands.data import streams
+from islands.data.batch import Batch
 from islands.data.clusters import read_prior_table
 from islands.flow.denoiser import NetworkDenoiser, broadcast
 from islands.flow.objectives import regression_loss, training_loss, training_pair
@@ -23,21 +25,23 @@ from islands.flow.timesteps import TimeSampler
 REPORT_TIMES = 10  # the t of the router's report: 0.05, 0.15, ..., 0.95
 
 
-def draw(seed: int, x0: torch.Tensor, positions: torch.Tensor, times=None, labels: torch.Tensor | None = None,
-         num_classes: int = 0, label_dropout: float = 0.0):
-    """Each example's noise, time and (dropped) label, keyed on its stream position: (noise, t, cond).
+def draw(seed: int, batch: Batch, times=None, labels: torch.Tensor | None = None, num_classes: int = 0,
+         label_dropout: float = 0.0):
+    """Each example's noise, time and (dropped) label, keyed on its stream position: (noise, t, cond), on the
+    examples' device. The batch's own draws where the loader made them, else drawn from its positions.
 
     `times` maps uniforms to training times (a `TimeSampler`; None: the uniform itself). Dropped labels become
     `num_classes`, the "no label" token, so that the network also learns the unconditional velocity guidance
     needs; without labels or classes, cond is None.
     """
-    pos = positions.tolist()
-    noise = streams.normal(seed, pos, tuple(x0.shape[1:])).to(x0)
-    u = streams.uniform(seed, pos, "time")
+    x0, conditional = batch.x, labels is not None and num_classes > 0
+    batch = batch.drawn(seed, labelled=conditional)
+    noise = batch.noise.to(x0)
+    u = batch.u_time.to(x0.device)
     t = (u if times is None else times(u)).to(x0)
     cond = None
-    if labels is not None and num_classes:
-        drop = (streams.uniform(seed, pos, "label_drop") < label_dropout).to(x0.device)
+    if conditional:
+        drop = batch.u_drop.to(x0.device) < label_dropout
         cond = torch.where(drop, torch.full_like(labels, num_classes), labels)
     return noise, t, cond
 
@@ -51,7 +55,7 @@ class Objective(ABC):
     produces: ClassVar[str] = "denoiser"
 
     @abstractmethod
-    def __call__(self, net, x0: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, net, batch: Batch) -> torch.Tensor:
         """The per-example loss (B,)."""
 
     def prepare(self, net: torch.nn.Module) -> None:  # noqa: B027 -- a hook most objectives leave empty
@@ -61,7 +65,7 @@ class Objective(ABC):
         """The data loss on a fixed probe at `times` stratified times; None where the objective has no data loss."""
         return None
 
-    def inputs_and_target(self, x0: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor):
+    def inputs_and_target(self, batch: Batch):
         """(the network's inputs, the target its output is scored against by `loss_of`), for strategies that feed
         the network and score its output on different ranks (pipeline stages); None where the loss is not a
         regression of the network's output."""
@@ -77,13 +81,13 @@ class DiffusionObjective(Objective):
         self.path, self.prediction, self.times = path, prediction, times
         self.seed, self.num_classes, self.label_dropout = seed, num_classes, label_dropout
 
-    def __call__(self, net, x0, labels, positions):
-        inputs, target = self.inputs_and_target(x0, labels, positions)
+    def __call__(self, net, batch):
+        inputs, target = self.inputs_and_target(batch)
         return self.loss_of(net(*inputs), target)
 
-    def inputs_and_target(self, x0, labels, positions):
-        noise, tau, cond = draw(self.seed, x0, positions, self.times, labels, self.num_classes, self.label_dropout)
-        x, target = training_pair(self.path, self.prediction, x0, noise, tau)
+    def inputs_and_target(self, batch):
+        noise, tau, cond = draw(self.seed, batch, self.times, batch.labels, self.num_classes, self.label_dropout)
+        x, target = training_pair(self.path, self.prediction, batch.x, noise, tau)
         return (x, tau) if cond is None else (x, tau, cond), target
 
     def denoiser(self, net) -> NetworkDenoiser:
@@ -122,10 +126,10 @@ class RouterObjective(Objective):
         """(cluster, class or None) from the combined label."""
         return labels % self.k, (labels // self.k if self.num_classes else None)
 
-    def __call__(self, net, x0, labels, positions):
-        cluster, cls = self.split(labels)
-        noise, t, cls = draw(self.seed, x0, positions, None, cls, self.num_classes, self.label_dropout)
-        return F.cross_entropy(net(canonical_x_t(x0, noise, t), t, cls).float(), cluster, reduction="none")
+    def __call__(self, net, batch):
+        cluster, cls = self.split(batch.labels)
+        noise, t, cls = draw(self.seed, batch, None, cls, self.num_classes, self.label_dropout)
+        return F.cross_entropy(net(canonical_x_t(batch.x, noise, t), t, cls).float(), cluster, reduction="none")
 
     @torch.no_grad()
     def report_by_t(self, net, x0: torch.Tensor, labels: torch.Tensor, exact=None) -> dict:
@@ -181,10 +185,10 @@ class DistillObjective(DiffusionObjective):
         self.teacher, self.k = teacher, clusters
         self.own_cluster = getattr(getattr(teacher, "routing", None), "policy", None) == "ancestral"
 
-    def __call__(self, net, x0, labels, positions):
-        cluster, cls = labels % self.k, (labels // self.k if self.num_classes else None)
-        noise, t, cond = draw(self.seed, x0, positions, self.times, cls, self.num_classes, self.label_dropout)
-        x_t = canonical_x_t(x0, noise, t)
+    def __call__(self, net, batch):
+        cluster, cls = batch.labels % self.k, (batch.labels // self.k if self.num_classes else None)
+        noise, t, cond = draw(self.seed, batch, self.times, cls, self.num_classes, self.label_dropout)
+        x_t = canonical_x_t(batch.x, noise, t)
         with torch.no_grad():
             if self.own_cluster:
                 self.teacher.assign(cluster)
@@ -194,7 +198,7 @@ class DistillObjective(DiffusionObjective):
     def validation_loss(self, net, x0, labels, times):
         return None  # a student learns its teacher, not the data: it has no data loss to probe
 
-    def inputs_and_target(self, x0, labels, positions):
+    def inputs_and_target(self, batch):
         return None  # the teacher's velocity is compared with the student's, not with its raw output
 
 

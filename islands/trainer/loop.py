@@ -72,7 +72,7 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
     def batches_from(images: int):
         return iter(stream_loader(parts.source, batch, cfg.seed, start=images, rank=replica, workers=cfg.data.workers,
                                   flip=cfg.data.flip, schedule=schedule, part=part, parts=replica_ranks,
-                                  own_order=cfg.data.shards is not None))
+                                  own_order=cfg.data.shards is not None, pin_memory=world.device.type == "cuda"))
 
     loader = batches_from(state.images)
     peak_lr = cfg.parallel.worker_lr[replica] if cfg.parallel.worker_lr else cfg.train.lr
@@ -89,11 +89,9 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
             lr = learning_rate(peak_lr, cfg.train.warmup_images, images, state.images)
             stepped = schedule.active(tick, replica)
             if stepped:
-                # The global batch, this rank's share of it, in micro-batches that each keep their stream positions.
-                x, labels, positions = next(loader)
-                x, labels = x.to(world.device, non_blocking=True), labels.to(world.device)
-                micro_batches = list(zip(x.chunk(accumulate), labels.chunk(accumulate), positions.chunk(accumulate),
-                                         strict=True))
+                # This rank's share of the global batch, with the noise, times and label dropout the loader drew for
+                # each example's stream position, in micro-batches (on a GPU copied from pinned memory, unwaited).
+                micro_batches = next(loader).to(world.device, non_blocking=True).chunk(accumulate)
                 loss, grad_norm, finite = optimizer_step(parts, micro_batches, lr)
             else:  # a slower replica waits out the round; it still votes on whether the others' step was finite
                 loss, grad_norm, finite = math.nan, math.nan, world.all_finite(True)

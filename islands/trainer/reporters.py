@@ -168,9 +168,11 @@ class Evaluation(Reporter):
             if by_t is not None:
                 record.update(val_loss=sum(by_t) / len(by_t), val_loss_by_t=by_t)
         if cfg.eval.metrics != []:
-            self.evaluator = self.evaluator or Evaluator(judged_on(p.source), cfg.eval, cfg.seed)
-            denoiser = p.objective.denoiser(plain)
-            batches = generated(denoiser, p.shape, cfg.eval.num, cfg.sample, cfg.seed, p.num_classes)
+            self.evaluator = self.evaluator or Evaluator(judged_on(p.source), cfg.eval, cfg.seed,
+                                                         device=p.world.device)
+            denoiser = p.objective.denoiser(plain)  # on the run's device, as are its samples' noise and labels
+            batches = generated(denoiser, p.shape, cfg.eval.num, cfg.sample, cfg.seed, p.num_classes,
+                                device=p.world.device)
             record.update({k: v for k, v in self.evaluator(batches, denoiser).items() if isinstance(v, (int, float))})
         self.log.write(record)
 

@@ -1,0 +1,63 @@
+"""A rank's share of a global batch, as the loader hands it to the training loop: the examples, their labels, their
+positions in the global stream, and the randomness those positions key (DESIGN.md section 3).
+
+The loader draws each example's noise and the uniforms behind its time and label dropout where it reads the
+example, in its worker processes when `data.workers` > 0, so that the training step does not wait on one CPU
+generator per example; the objective maps them to its time and dropped labels. A batch built without them (a
+probe, a FLOP count, a test) is drawn from its positions on first use, to the same values.
+"""
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+from islands.data import streams
+
+
+@dataclass(frozen=True)
+class Batch:
+    x: Tensor  # (B, *shape) the examples, in [-1, 1]
+    labels: Tensor  # (B,) int64 class, -1 where the data has no labels
+    positions: Tensor  # (B,) int64 stream positions; they stay on the host, where the generators they key are
+    noise: Tensor | None = None  # (B, *shape) standard normal, keyed (seed, n, "noise")
+    u_time: Tensor | None = None  # (B,) uniform in [0, 1), keyed "time": the objective's time sampler maps it to t
+    u_drop: Tensor | None = None  # (B,) uniform in [0, 1), keyed "label_drop": dropped where u_drop < label_dropout
+
+    def drawn(self, seed: int, labelled: bool = True) -> "Batch":
+        """This batch with its examples' noise and uniforms (the label-drop ones only if `labelled`), those it
+        does not hold yet drawn from their positions, on the CPU as the loader draws them."""
+        noise, drop = self.noise is None, labelled and self.u_drop is None
+        if not (noise or drop):
+            return self
+        pos, draws = self.positions.tolist(), {}
+        if noise:
+            draws["noise"] = streams.normal(seed, pos, tuple(self.x.shape[1:]))
+            draws["u_time"] = streams.uniform(seed, pos, "time")
+        if drop:
+            draws["u_drop"] = streams.uniform(seed, pos, "label_drop")
+        return replace(self, **draws)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The fields that hold a tensor, by name."""
+        return {field.name: value for field in fields(self) if (value := getattr(self, field.name)) is not None}
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        """On `device`, but for the positions."""
+        return replace(self, **{name: t.to(device, non_blocking=non_blocking)
+                                for name, t in self.tensors().items() if name != "positions"})
+
+    def pin_memory(self) -> "Batch":
+        """In page-locked memory, for an asynchronous copy to a GPU (a DataLoader with pin_memory=True calls it)."""
+        return replace(self, **{name: t.pin_memory() for name, t in self.tensors().items() if name != "positions"})
+
+    def chunk(self, parts: int) -> list["Batch"]:
+        """`parts` micro-batches (torch.chunk's sizes), each example keeping its position and draws."""
+        pieces = {name: t.chunk(parts) for name, t in self.tensors().items()}
+        return [replace(self, **{name: p[i] for name, p in pieces.items()}) for i in range(len(pieces["x"]))]
+
+    @staticmethod
+    def cat(batches: list["Batch"]) -> "Batch":
+        """Micro-batches joined again, in order."""
+        return replace(batches[0], **{name: torch.cat([b.tensors()[name] for b in batches])
+                                      for name in batches[0].tensors()})
