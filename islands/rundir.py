@@ -128,13 +128,14 @@ def read_trainer(ckpt: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, OSError, EOFError) as err:
-        raise CheckpointError(f"cannot read {path}: {_first_reason(str(err))}") from None
+        raise CheckpointError(f"cannot read {path}: {_first_reason(err)}") from None
 
 
-def _first_reason(message: str) -> str:
-    """The sentence of torch.load's many-line message that says what was wrong ("Unsupported global: ...")."""
-    message = message.split("WeightsUnpickler error: ", 1)[-1]
-    return message.splitlines()[0].split(". ")[0].rstrip(".")
+def _first_reason(err: Exception) -> str:
+    """The sentence of torch.load's many-line message that says what was wrong ("Unsupported global: ..."); a bare
+    error (a truncated file's EOFError) by its type."""
+    lines = str(err).split("WeightsUnpickler error: ", 1)[-1].strip().splitlines()
+    return lines[0].split(". ")[0].rstrip(".") if lines else type(err).__name__
 
 
 # --- the run's description -----------------------------------------------------------------------------------------
