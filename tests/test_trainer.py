@@ -107,3 +107,26 @@ def test_a_key_of_another_kind_is_refused_by_the_schema(raw, message):
     with pytest.raises(ConfigError) as err:
         validate({"run_dir": ".", **raw})
     assert str(err.value) == message
+
+
+def test_a_gpu_checkpoint_keeps_the_devices_generator_for_dropout(monkeypatch, tmp_path):
+    """Dropout on CUDA tensors draws from the device's generator, not the CPU's: a checkpoint written on a GPU holds
+    both, and a resume sets both (torch.cuda's two functions stand in for a GPU here)."""
+    import torch
+
+    from islands.rundir import read_trainer
+    from islands.trainer.parts import rng_state, set_rng_state
+
+    device_generator = {"state": torch.tensor([7, 8, 9], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: device_generator["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: device_generator.update(state=state))
+    gpu = torch.device("cuda", 0)
+    (tmp_path / "ckpt").mkdir()
+    torch.save(rng_state(gpu), tmp_path / "ckpt" / "trainer.pt")
+    device_generator["state"] = torch.tensor([1, 2, 3], dtype=torch.uint8)  # the generator moved on
+    cpu_before = torch.get_rng_state()
+    torch.rand(3)
+    set_rng_state(read_trainer(tmp_path / "ckpt"), gpu)
+    assert device_generator["state"].tolist() == [7, 8, 9]
+    assert torch.equal(torch.get_rng_state(), cpu_before)
+    assert set(rng_state(torch.device("cpu"))) == {"rng"}  # a CPU run's checkpoints stay as they were

@@ -110,7 +110,7 @@ class Parts:
         self.strategy.resumed()
         self.net.load_state_dict(held["model"])
         self.scaler.load_state_dict(small["trainer"]["scaler"])
-        torch.set_rng_state(small["trainer"]["rng"])
+        set_rng_state(small["trainer"], self.world.device)
         return small["progress"]
 
     def save_checkpoint(self, progress: Progress) -> Path:
@@ -118,7 +118,7 @@ class Parts:
         exports = {"model.safetensors": self.strategy.full_state_dict(self.net.state_dict())}
         if self.ema is not None:
             exports["ema.safetensors"] = self.strategy.full_state_dict(self.ema.state_dict())
-        trainer = {"scaler": self.scaler.state_dict(), "rng": torch.get_rng_state()}
+        trainer = {"scaler": self.scaler.state_dict(), **rng_state(self.world.device)}
         return write_checkpoint(self.run_dir, progress.images, self.sharded_state(), exports, trainer,
                                 {"progress": asdict(progress)}, self.cfg.train.keep_checkpoints, self.main,
                                 self.world.barrier, self.world.group)
@@ -130,6 +130,21 @@ class Parts:
         if not self.main:
             return None
         return network_with_weights(self.cfg.model, self.shape, self.num_classes, weights, self.world.device)
+
+
+def rng_state(device: torch.device) -> dict:
+    """The global generators a step draws from (dropout): the CPU's, and on a GPU the device's own, which dropout on
+    CUDA tensors uses; without it a resumed GPU run with dropout would not continue the same trajectory."""
+    state = {"rng": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda_rng"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["rng"])
+    if device.type == "cuda" and "cuda_rng" in state:  # checkpoints written on a CPU hold none
+        torch.cuda.set_rng_state(state["cuda_rng"], device)
 
 
 def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
