@@ -33,7 +33,7 @@ from islands.flow.samplers import (
     time_grid,
     unipc,
 )
-from islands.generate import generate
+from islands.generate import generate, resolve_precision
 from islands.nets.mlp import MLP
 from islands.nets.unet import UNet
 
@@ -323,3 +323,15 @@ def test_bf16_sampling_runs_the_network_in_bf16_and_keeps_the_solver_in_fp32():
     scale = x["fp32"].std().item()
     error = (x["bf16"] - x["fp32"]).abs().max().item()
     assert 0 < error < 0.05 * scale, (error, scale)  # bf16's 8-bit mantissa: close, but really bf16
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_is_bf16_only_for_a_bf16_run_on_a_device_that_computes_bf16_natively(monkeypatch, native):
+    monkeypatch.setattr("islands.parallel.launch.bf16_is_native", lambda device: native)
+    assert resolve_precision("auto", "bf16") == ("bf16" if native else "fp32")
+    assert resolve_precision("auto", "fp32") == "fp32"
+    assert resolve_precision("auto", "fp16") == "fp32"  # bf16 rounds coarser than what the run trained with
+    for explicit in ("fp32", "bf16"):  # as written, also in an older run's config.yaml
+        assert resolve_precision(explicit, "bf16") == resolve_precision(explicit, "fp32") == explicit
+    assert SampleConfig().precision == "auto"
+
