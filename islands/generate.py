@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from islands.config import Config, SampleConfig
@@ -35,12 +36,26 @@ def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser,
     return NetworkDenoiser(net, path, cfg.flow.prediction), cfg, info
 
 
+class _WithoutInitialisation(TorchFunctionMode):
+    """Inside, initialisers leave their tensor as it is: weights about to be loaded need no values, and no global
+    random numbers are drawn. Some of torch.nn.init's functions come here themselves, the others as their random
+    fills."""
+
+    FILLS = (torch.Tensor.uniform_, torch.Tensor.normal_)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FILLS or getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]  # nn.init hands it over by name
+        return func(*args, **kwargs)
+
+
 def network_with_weights(model_cfg, shape: tuple, num_classes: int, weights: dict, device="cpu") -> torch.nn.Module:
-    """The network built without initialising it (no time spent, no global random numbers drawn), holding
-    `weights`, in eval mode."""
-    with torch.device("meta"):
+    """The network built on `device` without initialising it (no time spent, no global random numbers drawn), holding
+    `weights`, in eval mode. Not on the meta device: torch computes some meta tensors in Python (normal_, arange),
+    whose first use imports torch._dynamo, 1 to 4 s of every `islands sample` on a 2-core CPU."""
+    with torch.device(device), _WithoutInitialisation():
         net = build_network(model_cfg, shape, num_classes)
-    net = net.to_empty(device=device)
     net.load_state_dict(weights)
     return net.eval()
 

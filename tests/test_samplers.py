@@ -1,6 +1,9 @@
 """Samplers driven by exact velocity fields; their grids, costs and order; agreement with diffusers; guidance."""
 
 import math
+import os
+import subprocess
+import sys
 import typing
 
 import numpy as np
@@ -335,3 +338,30 @@ def test_auto_precision_is_bf16_only_for_a_bf16_run_on_a_device_that_computes_bf
         assert resolve_precision(explicit, "bf16") == resolve_precision(explicit, "fp32") == explicit
     assert SampleConfig().precision == "auto"
 
+
+def test_networks_for_sampling_are_built_without_initialisation_or_importing_torch_dynamo():
+    """Built on the meta device, an nn.Embedding's normal_ (and the DiT's arange) ran through torch._refs, whose
+    first call imports torch._dynamo: seconds of every `islands sample`."""
+    code = """
+import sys
+import torch
+from islands.config import validate
+from islands.generate import network_with_weights
+from islands.nets import build_network
+
+for model, shape in [(dict(arch="unet", num_classes=4, channels=8, channel_mult=[1, 2], num_res_blocks=1,
+                           attention_resolutions=[4]), (1, 8, 8)),
+                     (dict(arch="dit", num_classes=4, patch_size=2, hidden_size=24, depth=1, num_heads=2), (1, 8, 8)),
+                     (dict(arch="mlp", hidden=16, depth=2, num_classes=4), (3,))]:
+    cfg = validate({"run_dir": ".", "model": model}).model
+    torch.manual_seed(0)
+    weights = build_network(cfg, shape, 4).state_dict()
+    state = torch.get_rng_state()
+    net = network_with_weights(cfg, shape, 4, weights)
+    assert torch.equal(torch.get_rng_state(), state), model["arch"]  # no global random numbers drawn
+    assert all(torch.equal(a, weights[k]) for k, a in net.state_dict().items()) and not net.training
+assert "torch._dynamo" not in sys.modules
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
