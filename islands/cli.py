@@ -53,12 +53,14 @@ def _train(args) -> int:
 
 
 def _sample_options(cfg, args):
-    """The run's sample section with the command line's options in place of its values, checked again."""
+    """The run's sample section with the command line's options in place of its values, checked again, its "auto"
+    precision resolved for this run."""
     from islands.config import revalidate
+    from islands.generate import run_sample_options
 
-    return revalidate(cfg.sample, "sample", **{k: v for k, v in {
+    return run_sample_options(revalidate(cfg.sample, "sample", **{k: v for k, v in {
         "steps": args.steps, "solver": args.solver, "grid": args.grid, "guidance": args.guidance,
-        "batch_size": args.batch_size, "precision": args.precision}.items() if v is not None})
+        "batch_size": args.batch_size, "precision": args.precision}.items() if v is not None}), cfg)
 
 
 def _sample(args) -> int:
@@ -296,9 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="noise seed; sample i depends only on (seed, i) (default: the run's seed)")
     p.add_argument("--class", dest="class_label", type=int, help="generate only this class (conditional models)")
     p.add_argument("--batch-size", type=int, help="samples per batch; does not change the samples")
-    p.add_argument("--precision", choices=["fp32", "bf16"],
+    p.add_argument("--precision", choices=_choices("precision"),
                    help="bf16: the networks under bf16 autocast, the solver in fp32; 1.4-1.5x faster on a CPU with "
-                        "avx512_bf16 (default: sample.precision)")
+                        "avx512_bf16; auto: bf16 if the run trained in bf16 and the CPU has it natively, else fp32 "
+                        "(default: sample.precision)")
     p.add_argument("--threads", type=int, help="torch threads")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
     p.add_argument("--routing", help=f"ensembles only: {', '.join(ROUTINGS)} (default {DEFAULT_ROUTING}; "

@@ -252,7 +252,9 @@ class SampleConfig(Section):
     grid: Literal["uniform", "edm", "shifted", "logsnr"] = "uniform"
     guidance: float = Field(1.0, ge=0)
     batch_size: int = Field(256, gt=0)
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: the networks' matmuls under autocast; the ODE stays fp32
+    # bf16: the networks' matmuls under autocast, the ODE in fp32; auto: bf16 where the run trained in bf16 and the
+    # sampling device computes bf16 natively, else fp32 (resolved by generate.run_sample_options)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
 
 
 # The fewest samples a metric is computed from: KID's standard error needs 4; precision/recall's radius is each

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from islands.config import Config, SampleConfig
@@ -20,7 +21,7 @@ from islands.flow.paths import build_path
 from islands.flow.samplers import sample
 from islands.images import save_samples_picture
 from islands.nets import build_network
-from islands.parallel.launch import warn_if_bf16_is_slow
+from islands.parallel import launch
 from islands.rundir import atomic_write, describe_run, latest_checkpoint, load_weights, weights_file
 
 
@@ -36,12 +37,26 @@ def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser,
     return NetworkDenoiser(net, path, cfg.flow.prediction), cfg, info
 
 
+class _WithoutInitialisation(TorchFunctionMode):
+    """Inside, initialisers leave their tensor as it is: weights about to be loaded need no values, and no global
+    random numbers are drawn. Some of torch.nn.init's functions come here themselves, the others as their random
+    fills."""
+
+    FILLS = (torch.Tensor.uniform_, torch.Tensor.normal_)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FILLS or getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]  # nn.init hands it over by name
+        return func(*args, **kwargs)
+
+
 def network_with_weights(model_cfg, shape: tuple, num_classes: int, weights: dict, device="cpu") -> torch.nn.Module:
-    """The network built without initialising it (no time spent, no global random numbers drawn), holding
-    `weights`, in eval mode."""
-    with torch.device("meta"):
+    """The network built on `device` without initialising it (no time spent, no global random numbers drawn), holding
+    `weights`, in eval mode. Not on the meta device: torch computes some meta tensors in Python (normal_, arange),
+    whose first use imports torch._dynamo, 1 to 4 s of every `islands sample` on a 2-core CPU."""
+    with torch.device(device), _WithoutInitialisation():
         net = build_network(model_cfg, shape, num_classes)
-    net = net.to_empty(device=device)
     net.load_state_dict(weights)
     return net.eval()
 
@@ -55,10 +70,24 @@ def sample_labels(num: int, num_classes: int, class_label: int | None = None) ->
     return torch.arange(num) % num_classes
 
 
+def resolve_precision(precision: str, trained: str, device: torch.device | str = "cpu") -> str:
+    """`sample.precision` as it runs: "auto" is bf16 where the run trained in bf16 and `device` computes bf16
+    natively (section 2 of docs/BENCHMARKS.md: 1.5x faster, samples moved by 0.1-0.3%), else fp32; an fp16 run
+    samples in fp32, since bf16 rounds coarser than what it trained with. fp32 and bf16 stand as they are."""
+    if precision != "auto":
+        return precision
+    return "bf16" if trained == "bf16" and launch.bf16_is_native(device) else "fp32"
+
+
+def run_sample_options(opts: SampleConfig, cfg: Config, device: torch.device | str = "cpu") -> SampleConfig:
+    """`opts` for sampling the run (or ensemble) of `cfg` on `device`, its "auto" precision resolved."""
+    return opts.model_copy(update={"precision": resolve_precision(opts.precision, cfg.train.precision, device)})
+
+
 def sampling_precision(precision: str, device: torch.device):
     """bf16 autocast for the networks' convolutions and matmuls; the solver's state and arithmetic stay float32,
-    since every Denoiser returns its velocity in the dtype of x."""
-    if precision == "fp32":
+    since every Denoiser returns its velocity in the dtype of x. An "auto" that no run resolved is fp32."""
+    if precision != "bf16":
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
@@ -70,7 +99,7 @@ def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleC
     """Samples first .. first + num - 1 of the stream keyed on `seed`, in batches of opts.batch_size.
     `prepare(lo, hi, labels)`, if given, is called before the samples lo .. hi - 1 are drawn, with their labels
     (e.g. to fix each sample's expert for oracle routing)."""
-    warn_if_bf16_is_slow("sample.precision", opts.precision, device)
+    launch.warn_if_bf16_is_slow("sample.precision", opts.precision, device)
     out = []
     bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
     for lo in range(0, num, opts.batch_size):

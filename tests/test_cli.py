@@ -122,6 +122,22 @@ def test_sample_writes_npz_and_grid(tmp_path, capsys, image_npz):
     assert code == 2 and "not a run directory" in err
 
 
+def test_sample_precision_follows_a_bf16_run_where_bf16_is_native(tmp_path, capsys, image_npz, monkeypatch):
+    monkeypatch.setattr("islands.parallel.launch.bf16_is_native", lambda device: True)
+    config = write_config(tmp_path / "c.yaml", tiny_unet_config(tmp_path / "run", image_npz,
+                                                               train={"images": 16, "precision": "bf16"}))
+    assert run_cli(capsys, "train", config, "--quiet")[0] == 0
+    samples = {}
+    for precision in (None, "bf16", "fp32"):
+        option = ["--precision", precision] if precision else []
+        out = tmp_path / f"out_{precision}"
+        assert run_cli(capsys, "sample", str(tmp_path / "run"), "--num", "4", "--steps", "2", "--out", str(out),
+                       "--quiet", *option)[0] == 0
+        with np.load(out / "samples.npz", allow_pickle=False) as f:
+            samples[precision] = f["x"]
+    assert np.array_equal(samples[None], samples["bf16"]) and not np.array_equal(samples[None], samples["fp32"])
+
+
 def test_every_subcommand_explains_every_option():
     parser = build_parser()
     subparsers = parser._subparsers._group_actions[0].choices

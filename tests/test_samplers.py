@@ -1,6 +1,9 @@
 """Samplers driven by exact velocity fields; their grids, costs and order; agreement with diffusers; guidance."""
 
 import math
+import os
+import subprocess
+import sys
 import typing
 
 import numpy as np
@@ -33,7 +36,7 @@ from islands.flow.samplers import (
     time_grid,
     unipc,
 )
-from islands.generate import generate
+from islands.generate import generate, resolve_precision
 from islands.nets.mlp import MLP
 from islands.nets.unet import UNet
 
@@ -323,3 +326,42 @@ def test_bf16_sampling_runs_the_network_in_bf16_and_keeps_the_solver_in_fp32():
     scale = x["fp32"].std().item()
     error = (x["bf16"] - x["fp32"]).abs().max().item()
     assert 0 < error < 0.05 * scale, (error, scale)  # bf16's 8-bit mantissa: close, but really bf16
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_is_bf16_only_for_a_bf16_run_on_a_device_that_computes_bf16_natively(monkeypatch, native):
+    monkeypatch.setattr("islands.parallel.launch.bf16_is_native", lambda device: native)
+    assert resolve_precision("auto", "bf16") == ("bf16" if native else "fp32")
+    assert resolve_precision("auto", "fp32") == "fp32"
+    assert resolve_precision("auto", "fp16") == "fp32"  # bf16 rounds coarser than what the run trained with
+    for explicit in ("fp32", "bf16"):  # as written, also in an older run's config.yaml
+        assert resolve_precision(explicit, "bf16") == resolve_precision(explicit, "fp32") == explicit
+    assert SampleConfig().precision == "auto"
+
+
+def test_networks_for_sampling_are_built_without_initialisation_or_importing_torch_dynamo():
+    """Built on the meta device, an nn.Embedding's normal_ (and the DiT's arange) ran through torch._refs, whose
+    first call imports torch._dynamo: seconds of every `islands sample`."""
+    code = """
+import sys
+import torch
+from islands.config import validate
+from islands.generate import network_with_weights
+from islands.nets import build_network
+
+for model, shape in [(dict(arch="unet", num_classes=4, channels=8, channel_mult=[1, 2], num_res_blocks=1,
+                           attention_resolutions=[4]), (1, 8, 8)),
+                     (dict(arch="dit", num_classes=4, patch_size=2, hidden_size=24, depth=1, num_heads=2), (1, 8, 8)),
+                     (dict(arch="mlp", hidden=16, depth=2, num_classes=4), (3,))]:
+    cfg = validate({"run_dir": ".", "model": model}).model
+    torch.manual_seed(0)
+    weights = build_network(cfg, shape, 4).state_dict()
+    state = torch.get_rng_state()
+    net = network_with_weights(cfg, shape, 4, weights)
+    assert torch.equal(torch.get_rng_state(), state), model["arch"]  # no global random numbers drawn
+    assert all(torch.equal(a, weights[k]) for k, a in net.state_dict().items()) and not net.training
+assert "torch._dynamo" not in sys.modules
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -28,7 +28,7 @@ from islands.ddm.runs import (
 )
 from islands.eval.evaluate import Evaluator, build_features, entry_key, format_table, generated, record, timed
 from islands.flow.samplers import evaluations_per_sample
-from islands.generate import load_denoiser
+from islands.generate import load_denoiser, run_sample_options
 from islands.images import save_samples_picture, save_side_by_side
 from islands.rundir import describe_run, latest_checkpoint, prepare_run_dir, trained_below
 from islands.train.flops import flops_per_image
@@ -148,7 +148,8 @@ def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: b
         # before the metrics call the mixture themselves
         sampling["evaluations"], sampling["router"] = mixture.evaluations, mixture.router_evaluations
 
-    opts = cfg.sample.model_copy(update={"batch_size": mixture.plan_sampling(cfg.sample.batch_size)})
+    batch = mixture.plan_sampling(cfg.sample.batch_size)
+    opts = run_sample_options(cfg.sample.model_copy(update={"batch_size": batch}), cfg)
     batches = generated(mixture, shape, cfg.eval.num, opts, cfg.seed, num_classes, progress, prepare)
     # the velocity error needs a field of (x, t); ancestral routing is one only along each sample's own path
     result = evaluator(counted(batches), None if mixture.routing.needs_assignment else mixture)
@@ -175,8 +176,8 @@ def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) ->
     denoiser, _, info = load_denoiser(Path(mono.run_dir))
     shape = tuple(info["shape"])
     source = whole_data(cfg)
-    clock = {}
-    batches = generated(denoiser, shape, cfg.eval.num, cfg.sample, cfg.seed, cfg.model.num_classes, progress)
+    clock, opts = {}, run_sample_options(cfg.sample, cfg)  # as the ensemble was sampled
+    batches = generated(denoiser, shape, cfg.eval.num, opts, cfg.seed, cfg.model.num_classes, progress)
     evaluator = Evaluator(source, cfg.eval, cfg.seed, progress)
     monolith = evaluator(timed(batches, clock), denoiser)
     monolith["seconds_per_sample"] = clock["seconds"] / cfg.eval.num
@@ -185,10 +186,10 @@ def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) ->
     ensemble = {**ensemble, "training_flops": ensemble_training_flops(cfg)}
     monolith["training_flops"] = training_flops(Path(mono.run_dir))
     subject = f"monolith images={int(latest_checkpoint(Path(mono.run_dir)).name)}"
-    record(root / "metrics.json", entry_key(subject, evaluator, cfg.eval.num, cfg.sample), monolith)
+    record(root / "metrics.json", entry_key(subject, evaluator, cfg.eval.num, opts), monolith)
     num = min(64, cfg.sample.num)
     grids = {f"ensemble ({DEFAULT_ROUTING})": root / "samples" / f"{picture_name(DEFAULT_ROUTING)}.png"}
-    mono_grid = next(generated(denoiser, shape, num, cfg.sample, cfg.seed, cfg.model.num_classes))[0]
+    mono_grid = next(generated(denoiser, shape, num, opts, cfg.seed, cfg.model.num_classes))[0]
     grids["monolith"] = save_samples_picture(mono_grid, root / "samples" / "monolith.png", backdrop(source))
     save_side_by_side(grids, root / "comparison.png", "the experts and the router together cost what the monolith "
                       "costs; the same noise for both")

@@ -28,7 +28,7 @@ from islands.eval.features import (
     load_torch_features,
 )
 from islands.flow.denoiser import Denoiser
-from islands.generate import generate, load_denoiser, sample_labels
+from islands.generate import generate, load_denoiser, run_sample_options, sample_labels
 from islands.rundir import CONFIG, atomic_write_text, describe_run, is_run_dir, latest_checkpoint, read_npz
 
 SAMPLE_METRICS = ("fd", "kid", "precision_recall", "density_coverage", "class_balance")  # from samples alone
@@ -237,8 +237,8 @@ def evaluate_target(target: Path, num: int | None = None, steps: int | None = No
         key, out = entry_key(f"{target.name} run={run.resolve()}", evaluator), target.parent / "metrics.json"
     else:
         denoiser, cfg, info = load_denoiser(run)
-        opts = cfg.sample.model_copy(update={k: v for k, v in {"steps": steps, "batch_size": batch_size}.items()
-                                             if v is not None})
+        opts = run_sample_options(cfg.sample.model_copy(update={k: v for k, v in {
+            "steps": steps, "batch_size": batch_size}.items() if v is not None}), cfg)
         num = eval_cfg.num
         clock = {}
         batches = generated(denoiser, tuple(info["shape"]), num, opts, cfg.seed, info["num_classes"], progress)

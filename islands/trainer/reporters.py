@@ -17,7 +17,7 @@ from tqdm import tqdm
 from islands.data import judged_on, streams
 from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
 from islands.eval.evaluate import Evaluator, generated
-from islands.generate import generate, sample_labels
+from islands.generate import generate, run_sample_options, sample_labels
 from islands.images import save_curve, save_samples_picture
 from islands.rundir import atomic_write_text
 from islands.train.logbook import Logbook
@@ -137,7 +137,8 @@ class SampleGrid(Reporter):
         if plain is None:
             return
         num = min(p.cfg.sample.num, 64 if len(p.shape) == 3 else 2000)  # a legible grid, or a dense scatter
-        x = generate(p.objective.denoiser(plain), p.shape, num, p.cfg.sample, p.cfg.seed,
+        opts = run_sample_options(p.cfg.sample, p.cfg, p.world.device)
+        x = generate(p.objective.denoiser(plain), p.shape, num, opts, p.cfg.seed,
                      sample_labels(num, p.num_classes), device=p.world.device)
         reference = p.source.get(list(range(min(len(p.source), 2000))))[0] if len(p.shape) == 1 else None
         images = step.progress.images
@@ -171,7 +172,8 @@ class Evaluation(Reporter):
             self.evaluator = self.evaluator or Evaluator(judged_on(p.source), cfg.eval, cfg.seed,
                                                          device=p.world.device)
             denoiser = p.objective.denoiser(plain)  # on the run's device, as are its samples' noise and labels
-            batches = generated(denoiser, p.shape, cfg.eval.num, cfg.sample, cfg.seed, p.num_classes,
+            opts = run_sample_options(cfg.sample, cfg, p.world.device)
+            batches = generated(denoiser, p.shape, cfg.eval.num, opts, cfg.seed, p.num_classes,
                                 device=p.world.device)
             record.update({k: v for k, v in self.evaluator(batches, denoiser).items() if isinstance(v, (int, float))})
         self.log.write(record)
