@@ -62,7 +62,7 @@ def memory_worker(strategy_name: str, out: str) -> None:
     from islands.parallel.launch import close_world, init_world
 
     world = init_world(TIMEOUT_S)
-    strategy = build_strategy(strategy_name, world)
+    strategy = build_strategy(validate({"run_dir": ".", "parallel": {"strategy": strategy_name}}), world)
     torch.manual_seed(0)
     net = build_network(validate({"run_dir": ".", "model": MEMORY_MODEL}).model, SHAPE, 1000)
     model = strategy.wrap(net)

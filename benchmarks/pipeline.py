@@ -112,13 +112,15 @@ def one_process(threads: int) -> dict:
 def rank_worker(schedule: str, virtual: int, microbatches: int, out: str) -> None:
     """One rank of a 2-stage pipeline: the trainer's strategy, its schedule timed from inside."""
     from benchmarks.common import build_net
+    from islands.config import validate
     from islands.parallel.build import build_strategy
     from islands.parallel.launch import close_world, init_world
 
     torch.set_num_threads(1)
     world = init_world(TIMEOUT_S)
-    strategy = build_strategy("pipeline", world, stages=STAGES, microbatches=microbatches, schedule=schedule,
-                              virtual_stages=virtual)
+    parallel = {"strategy": "pipeline", "stages": STAGES, "microbatches": microbatches, "schedule": schedule,
+                "virtual_stages": virtual}
+    strategy = build_strategy(validate({"run_dir": ".", "parallel": parallel}), world)
     net, objective, saved = build_net(DIT), _objective(), SavedBytes()
     strategy.wrap(net)
     opt = strategy.optimizer(net, lr=1e-4)

@@ -6,6 +6,7 @@ line turns it into exit status 2.
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
@@ -337,10 +338,33 @@ class DDMConfig(Section):
         return self
 
 
+@dataclass(frozen=True)
+class StrategyKind:
+    """What a config must know of a parallel strategy; its class reads its own keys (`Strategy.options`)."""
+    path: str | None  # its class, "module.Class" under islands/parallel, imported only when chosen (build_strategy)
+    local_updates: bool = False  # replicas that drift apart between synchronisations
+
+
+# parallel.strategy: the one place its names are listed; the schema, the config's checks, build_strategy and the
+# plan's local strategies read them here. tstages has no class: the ranks split into one group per range of
+# flow.t_ranges, each training its range with ddp inside it (trainer/loop.range_of_this_rank).
+STRATEGIES = {
+    "none": StrategyKind("strategies.Strategy"),
+    "ddp": StrategyKind("strategies.DDPStrategy"),
+    "zero1": StrategyKind("sharding.Zero1Strategy"),
+    "zero2": StrategyKind("sharding.Zero2Strategy"),
+    "fsdp": StrategyKind("sharding.FSDPStrategy"),
+    "tstages": StrategyKind(None),
+    "pipeline": StrategyKind("pipeline.PipelineStrategy"),  # the network cut into stages on different ranks
+    "local_sgd": StrategyKind("local_updates.LocalSGDStrategy", local_updates=True),
+    "diloco": StrategyKind("local_updates.DiLoCoStrategy", local_updates=True),
+}
+LOCAL_UPDATES = tuple(name for name, kind in STRATEGIES.items() if kind.local_updates)
+
+
 class ParallelConfig(Section):
-    # tstages: the ranks split into one group per range of flow.t_ranges, each training its range (ddp inside it);
-    # pipeline: the network cut into stages on different ranks, micro-batches flowing through them
-    strategy: Literal["none", "ddp", "zero1", "zero2", "fsdp", "tstages", "pipeline", "local_sgd", "diloco"] = "none"
+    # Keys of every strategy side by side, as users write them; each strategy's class reads its own.
+    strategy: Literal[tuple(STRATEGIES)] = "none"
     timeout_s: float = Field(600.0, gt=0)  # a collective that waits longer fails every rank
     compression: Literal["none", "fp16", "bf16"] = "none"  # precision of gradient reduction on the wire
     stages: int = Field(2, ge=1)  # pipeline: ranks per pipeline
@@ -374,7 +398,7 @@ class ParallelConfig(Section):
     @model_validator(mode="after")
     def _check(self):
         if self.lighthouse is not None:
-            if self.strategy not in ("local_sgd", "diloco"):
+            if not STRATEGIES[self.strategy].local_updates:
                 raise ValueError(f"lighthouse: replicas joined through torchft are local_sgd or diloco replicas, "
                                  f"not {self.strategy!r}")
             if self.replicas is None or self.replica_id is None:
@@ -438,7 +462,7 @@ class Config(Section):
         par = self.parallel
         for key in ("worker_batch", "worker_lr", "worker_sync_every", "shards"):
             given = getattr(self.data if key == "shards" else par, key)
-            if given is not None and par.strategy not in ("local_sgd", "diloco"):
+            if given is not None and not STRATEGIES[par.strategy].local_updates:
                 raise ValueError(f"{'data' if key == 'shards' else 'parallel'}.{key}: replicas that differ are "
                                  f"local_sgd or diloco replicas, not {par.strategy!r}")
         if par.worker_sync_every is not None and par.fragments > 1:
@@ -470,7 +494,6 @@ RESUMABLE_CHANGES = {
     "parallel.virtual_stages", "parallel.data", "parallel.lighthouse", "parallel.host", "parallel.min_replicas",
     "parallel.quorum_timeout_s",
 }
-LOCAL_UPDATES = ("local_sgd", "diloco")  # strategies whose replicas drift apart between synchronisations
 
 
 def _format_error(err: ValidationError) -> str:

@@ -10,10 +10,11 @@ import copy
 import torch
 from torch import nn
 
+from islands.config import LOCAL_UPDATES
 from islands.parallel.ledger import bytes_sent
 
 WIRE_BYTES = {"none": 4, "fp16": 2, "bf16": 2}  # bytes of one fp32 value sent as parallel.compression says
-LOCAL = ("local_sgd", "diloco")
+LOCAL = LOCAL_UPDATES  # the strategies whose replicas synchronise every few steps
 
 
 def dense_bytes(params) -> int:

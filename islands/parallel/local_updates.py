@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from islands.config import Config
 from islands.data.schedule import WorkerSchedule
 from islands.parallel.launch import World
 from islands.parallel.strategies import WIRE_DTYPES, DDPStrategy, Strategy, averaged
@@ -67,10 +68,25 @@ def fragments_of(sizes: list[int], count: int) -> list[range]:
 
 class LocalSGDStrategy(Strategy):
     name = "local_sgd"
+    several_ranks = True  # or a job of its own, one replica of several joined through torchft's lighthouse
+    in_a_group = False  # its replicas are groups of the whole job
+
+    @classmethod
+    def options(cls, cfg: Config) -> dict:
+        par = cfg.parallel
+        keys = ("sync_every", "fragments", "replicas", "worker_batch", "worker_sync_every", "lighthouse", "replica_id",
+                "host", "min_replicas", "timeout_s", "quorum_timeout_s")
+        return {**super().options(cfg), **{k: getattr(par, k) for k in keys}, "batch_size": cfg.train.batch_size}
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        if cfg.parallel.compression != "none":
+            raise ValueError("parallel.compression: local_sgd averages the weights themselves, which 16 bits would "
+                             "round; diloco sends its pseudo-gradients in 16 bits")
 
     def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False,
                  activation_checkpointing: bool = False, sync_every: int = 100, batch_size: int = 1,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1, replicas: int | None = None,
+                 fragments: int = 1, replicas: int | None = None,
                  worker_batch: list[int] | None = None, worker_sync_every: list[int] | None = None,
                  lighthouse: str | None = None, replica_id: int | None = None, host: str | None = None,
                  min_replicas: int = 1, timeout_s: float = 600.0, quorum_timeout_s: float = 3600.0):
@@ -117,7 +133,6 @@ class LocalSGDStrategy(Strategy):
         self.every, self.count = self.schedule.ticks, fragments
         # fragment f synchronises at the steps s with s = offsets[f] (mod H); the last fragment at multiples of H
         self.offsets = [(f + 1) * self.every // fragments % self.every for f in range(fragments)]
-        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum  # diloco's
         self.net: nn.Module | None = None
         self.anchor: dict[str, torch.Tensor] = {}  # the last synchronised weights, where the net does not hold them
 
@@ -260,6 +275,19 @@ class LocalSGDStrategy(Strategy):
 
 class DiLoCoStrategy(LocalSGDStrategy):
     name = "diloco"
+
+    @classmethod
+    def options(cls, cfg: Config) -> dict:
+        par = cfg.parallel
+        return {**super().options(cfg), "outer_lr": par.outer_lr, "outer_momentum": par.outer_momentum}
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        """Its pseudo-gradients may travel in 16 bits (parallel.compression)."""
+
+    def __init__(self, world: World, *, outer_lr: float = 0.7, outer_momentum: float = 0.9, **local):
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
+        super().__init__(world, **local)
 
     def wrap(self, net: nn.Module) -> nn.Module:
         model = super().wrap(net)

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils.flop_counter import FlopCounterMode
 
+from islands.config import Config, TrainConfig
 from islands.data.batch import Batch
 from islands.parallel.launch import World
 from islands.parallel.strategies import WIRE_DTYPES, Strategy, averaged
@@ -125,6 +126,15 @@ class PipelineStrategy(Strategy):
     """parallel.strategy=pipeline: S stages (S x V with the interleaved schedule) on S ranks, times D copies."""
 
     name = "pipeline"
+    several_ranks = True
+    in_a_group = False  # its mesh spans the whole job
+    fp16 = False  # per-stage loss scales would drift apart
+
+    @classmethod
+    def options(cls, cfg: Config) -> dict:
+        par = cfg.parallel
+        return {**super().options(cfg), "stages": par.stages, "microbatches": par.microbatches,
+                "schedule": par.schedule, "virtual_stages": par.virtual_stages, "data": par.data}
 
     def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False,
                  activation_checkpointing: bool = False, stages: int = 2, microbatches: int = 4,
@@ -148,6 +158,15 @@ class PipelineStrategy(Strategy):
 
     def data_shard(self) -> tuple[int, int]:
         return self.data_rank, self.data
+
+    def check_training(self, train: TrainConfig) -> None:
+        if train.objective != "diffusion":  # a router or a student is not cut in stages
+            raise ValueError(f"parallel.strategy: a pipeline trains denoisers (train.objective=diffusion), "
+                             f"not {train.objective!r}")
+        if train.accumulate != 1 or train.batch_size // self.data % self.microbatches:
+            raise ValueError(f"train.accumulate: a pipeline cuts each rank's {train.batch_size // self.data} images "
+                             f"into parallel.microbatches={self.microbatches} equal pieces itself; set accumulate to 1 "
+                             "and a batch that they divide")
 
     def wrap(self, net: nn.Module) -> nn.Module:
         """Cut `net` and keep in it only this rank's stages, which the schedule (`self.schedule`) runs."""

@@ -21,6 +21,7 @@ class Zero1Strategy(DDPStrategy):
     steps them, and broadcasts them to the others."""
 
     name = "zero1"
+    in_a_group = False  # its partitions span the whole job
 
     def optimizer(self, net: nn.Module, kind: str = "adamw", **hyper) -> torch.optim.Optimizer:
         ledger = self.ledger
@@ -63,6 +64,9 @@ def _counting_broadcasts(ledger: Ledger):
 class FSDPStrategy(Strategy):
     name = "fsdp"
     reshard_after_forward = True
+    several_ranks = True
+    in_a_group = False  # its mesh spans the whole job
+    fp16 = False  # GradScaler would find infinities in each rank's shard separately and let the scales drift apart
 
     def wrap(self, net: nn.Module) -> nn.Module:
         net = super().wrap(net)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from islands.config import Config, TrainConfig
 from islands.data.batch import Batch
 from islands.data.schedule import WorkerSchedule
 from islands.parallel.activation_checkpointing import checkpoint_blocks
@@ -45,6 +46,28 @@ class Strategy:
 
     name = "none"
     joined: int | None = None  # the image count a replica that rejoined its peers took from them at this step
+    # What build_strategy's checks across strategies ask of each: whether it spans several ranks (a process
+    # group), whether it can run inside a group of ranks (tstages), whether fp16 loss scaling works under it.
+    several_ranks = False
+    in_a_group = True
+    fp16 = True
+
+    @classmethod
+    def options(cls, cfg: Config) -> dict:
+        """The keys of the config this strategy reads, as its constructor's arguments: every strategy reads these."""
+        return {"compression": cfg.parallel.compression, "precision": cfg.train.precision,
+                "compile": cfg.train.compile, "activation_checkpointing": cfg.train.activation_checkpointing}
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        """Refuse, from the config alone, what this strategy cannot run (before it makes any process group)."""
+
+    @classmethod
+    def from_config(cls, cfg: Config, world: World) -> "Strategy":
+        return cls(world, **cls.options(cfg))
+
+    def check_training(self, train: TrainConfig) -> None:
+        """Refuse training settings this strategy cannot run, once every rank has built it."""
 
     def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False,
                  activation_checkpointing: bool = False):
@@ -146,6 +169,7 @@ class Strategy:
 
 class DDPStrategy(Strategy):
     name = "ddp"
+    several_ranks = True
 
     def wrap(self, net: nn.Module) -> nn.Module:
         net = super().wrap(net)

@@ -153,15 +153,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     teacher (a `Denoiser`), in a layer above this one."""
     train, par = cfg.train, cfg.parallel
     with config_errors("parallel"):
-        strategy = build_strategy(par.strategy, world, par.compression, train.precision, train.compile,
-                                  train.activation_checkpointing, stages=par.stages, microbatches=par.microbatches,
-                                  schedule=par.schedule, virtual_stages=par.virtual_stages, data=par.data,
-                                  sync_every=par.sync_every, outer_lr=par.outer_lr, outer_momentum=par.outer_momentum,
-                                  fragments=par.fragments, replicas=par.replicas, batch_size=train.batch_size,
-                                  worker_batch=par.worker_batch, worker_sync_every=par.worker_sync_every,
-                                  lighthouse=par.lighthouse, replica_id=par.replica_id, host=par.host,
-                                  min_replicas=par.min_replicas, timeout_s=par.timeout_s,
-                                  quorum_timeout_s=par.quorum_timeout_s)
+        strategy = build_strategy(cfg, world)
         schedule, replica, _, parts = strategy.clock(train.batch_size)
     world.barrier()  # every rank has made the strategy's process groups before any may exit on an error below
     shares = strategy.data_shard()[1]
@@ -174,13 +166,8 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     if not par.worker_batch and train.batch_size % (shares * train.accumulate):
         raise ConfigError(f"train.batch_size: {train.batch_size} is not divisible by "
                           f"{shares} data-parallel ranks x accumulate={train.accumulate}")
-    if par.strategy == "pipeline" and train.objective != "diffusion":  # a router or a student is not cut in stages
-        raise ConfigError(f"parallel.strategy: a pipeline trains denoisers (train.objective=diffusion), "
-                          f"not {train.objective!r}")
-    if par.strategy == "pipeline" and (train.accumulate != 1 or train.batch_size // shares % par.microbatches):
-        raise ConfigError(f"train.accumulate: a pipeline cuts each rank's {train.batch_size // shares} images into "
-                          f"parallel.microbatches={par.microbatches} equal pieces itself; set accumulate to 1 and "
-                          "a batch that they divide")
+    with config_errors("parallel"):
+        strategy.check_training(train)
     if world.is_main:
         warn_if_bf16_is_slow("train.precision", train.precision, world.device)
     run_dir = prepare_run_dir(cfg, write=False)  # its config is written once the data and network are built
