@@ -245,8 +245,9 @@ class ShardSource(Source):
             _check_size(tar, index, entry)
             _check_index(index, entry)
             if file_sha256(tar) != entry["sha256"]:
-                raise DataError(f"shard {tar} changed since it was written (its sha256 is not the one "
-                                f"{self.root / MANIFEST} lists); write the shards again with 'islands shard'")
+                raise DataError(f"shard {tar} changed since it was written, or the manifest is another data set's "
+                                f"(its sha256 is not the one {self.root / MANIFEST} lists); write the shards again "
+                                "with 'islands shard'")
             self._index(i)
 
 
