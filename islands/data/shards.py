@@ -87,7 +87,10 @@ def write_part(source: Source, folder: Path, shard_size: int, rank: int = 0, ran
                progress: bool = False) -> list[dict]:
     """Rank `rank` of `ranks`: the shards i = rank mod ranks of `source` into `folder`, each with its index.
     -> their manifest entries."""
-    from webdataset import TarWriter  # only writing needs it
+    try:  # only writing needs it
+        from webdataset import TarWriter
+    except ImportError as err:
+        raise DataError(f"islands shard needs webdataset ({err}); pip install 'islands[shards]'") from None
 
     member, n = example_member(source), len(source)
     mine = range(rank, shard_count(n, shard_size), ranks)
