@@ -4,7 +4,8 @@
                               and sha256, the sha256 of the whole, and the data section it was written from
     OUT/shard-000000.tar      examples 0 .. S-1 in the source's order, webdataset's layout: `000000000.png` (or
                               `.x.npy`, float32; `.latent.npy` for latents) and `000000000.cls` (the class, in ASCII)
-    OUT/shard-000000.idx.npy  int64 (examples, members, 2): the byte offset and size of each member's data
+    OUT/shard-000000.idx.npy  int64 (examples, members, 2): the byte offset and size of each member's data, the
+                              members in the manifest's order (`members`); `x` names the one that is the example
 
 The tars are what webdataset, wids and tar read. The index makes them random access (as `wids` does by scanning):
 an example is one `pread` of its adjacent members, so the loader orders the stream by position exactly as for an
@@ -79,6 +80,10 @@ def _encode(x: torch.Tensor, member: str) -> bytes:
     return buffer.getvalue()
 
 
+def members_of(source: Source) -> list[str]:
+    return [example_member(source), *(["cls"] if source.num_classes else [])]
+
+
 def shard_count(examples: int, shard_size: int) -> int:
     return -(-examples // shard_size)
 
@@ -110,8 +115,7 @@ def write_part(source: Source, folder: Path, shard_size: int, rank: int = 0, ran
                         example["cls"] = str(int(y[j])).encode()
                     writer.write(example)
                 bar.update(len(x))
-        members = [member] if source.num_classes == 0 else [member, "cls"]
-        np.save(folder / index_name(i), _index_of(tar, lo, hi, members), allow_pickle=False)
+        np.save(folder / index_name(i), _index_of(tar, lo, hi, members_of(source)), allow_pickle=False)
         entries.append({"tar": shard_name(i), "index": index_name(i), "examples": hi - lo,
                         "bytes": tar.stat().st_size, "sha256": file_sha256(tar),
                         "index_sha256": file_sha256(folder / index_name(i))})
@@ -133,6 +137,7 @@ def write_manifest(folder: Path, shards: list[dict], source: Source, shard_size:
     shards = sorted(shards, key=lambda s: s["tar"])
     manifest = {"format": FORMAT, "examples": len(source), "shape": list(source.shape),
                 "num_classes": source.num_classes, "flip": source.flip, "x": example_member(source),
+                "members": members_of(source),
                 "shard_size": shard_size, "sha256": whole_sha256(shards), "made_from": made_from, "shards": shards}
     path = folder / MANIFEST
     path.write_text(json.dumps(manifest, indent=1))
@@ -152,6 +157,9 @@ class ShardSource(Source):
         m = self.manifest
         self.shape, self.num_classes, self.flip = tuple(m["shape"]), m["num_classes"], m["flip"]
         self.member, self.quantised = m["x"], m["x"] == "png"
+        # the columns of the index read: the example's, then its class's (other members, as a latent's
+        # log-variance beside its mean, are left unread)
+        self.columns = [m["members"].index(m["x"]), *([m["members"].index("cls")] if self.num_classes else [])]
         self.tars = [self.root / s["tar"] for s in m["shards"]]
         self.index_files = [self.root / s["index"] for s in m["shards"]]
         self.starts = np.cumsum([0] + [s["examples"] for s in m["shards"]])
@@ -181,8 +189,8 @@ class ShardSource(Source):
         return (to_unit(x) if self.quantised else x), (torch.from_numpy(labels) if self.num_classes else None)
 
     def _read(self, shard: int, row: int) -> tuple[np.ndarray, int]:
-        where = self._index(shard)[row]
-        first, end = int(where[:, 0].min()), int((where[:, 0] + where[:, 1]).max())  # members lie side by side
+        where = self._index(shard)[row, self.columns]
+        first, end = int(where[:, 0].min()), int((where[:, 0] + where[:, 1]).max())  # an example's members lie together
         data = os.pread(self._file(shard), end - first, first)
         if len(data) != end - first:
             raise DataError(f"truncated shard {self.tars[shard]}: example {row} ends at byte {end}, the file has "
@@ -212,7 +220,7 @@ class ShardSource(Source):
     def _index(self, shard: int) -> np.ndarray:
         if shard not in self._indices:
             path, entry = self.index_files[shard], self.manifest["shards"][shard]
-            members = 1 if self.num_classes == 0 else 2
+            members = len(self.manifest["members"])
             try:
                 index = np.load(path, allow_pickle=False)
             except (OSError, ValueError) as e:
@@ -280,7 +288,7 @@ def _check_size(tar: Path, index: Path, entry: dict) -> None:
 
 
 MANIFEST_KEYS = {"format": str, "examples": int, "shape": list, "num_classes": int, "flip": bool, "x": str,
-                 "sha256": str, "shards": list}
+                 "members": list, "sha256": str, "shards": list}
 SHARD_KEYS = {"tar": str, "index": str, "examples": int, "bytes": int, "sha256": str, "index_sha256": str}
 
 
@@ -302,8 +310,11 @@ def read_manifest(root: Path) -> dict:
         raise DataError(f"shard manifest {path}: missing or mistyped {', '.join(wrong)}")
     if m["format"] != FORMAT:
         raise DataError(f"shard manifest {path}: format {m['format']!r}, this Islands reads {FORMAT!r}")
-    if m["x"] not in ("png", "x.npy", "latent.npy"):
+    if m["x"] not in ("png", "x.npy", "latent.npy") or m["x"] not in m["members"]:
         raise DataError(f"shard manifest {path}: unknown example member {m['x']!r}")
+    if ("cls" in m["members"]) != (m["num_classes"] > 0):
+        raise DataError(f"shard manifest {path}: {m['num_classes']} classes, but 'cls' is "
+                        f"{'' if 'cls' in m['members'] else 'not '}a member")
     if whole_sha256(m["shards"]) != m["sha256"] or sum(s["examples"] for s in m["shards"]) != m["examples"]:
         raise DataError(f"shard manifest {path}: its shards do not add up to its sha256 and count (edited by hand?)")
     if any(Path(s["tar"]).name != s["tar"] or Path(s["index"]).name != s["index"] for s in m["shards"]):
