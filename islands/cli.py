@@ -170,42 +170,21 @@ def _partition(args) -> int:
 
 
 def _shard(args) -> int:
-    import json
-    import shutil
-
     from islands.data import build_data
-    from islands.data.shards import shard_count, write_manifest, write_part
+    from islands.data.shards import refuse_written_over, write_shards
     from islands.parallel.launch import close_world, init_world
 
     cfg = load_config(args.config, args.overrides)
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"OUT: {out} is not an empty folder; shards are never written over another data set")
+    refuse_written_over(Path(args.out))
     source = build_data(cfg.data, cfg.seed, check=True)  # a bad input stops here, before a shard is written
-    # Written beside OUT and renamed into place once whole: no half-written shard folder is ever left as OUT.
-    partial = out.with_name(f".{out.name}.partial")
     world = init_world()
     try:
-        if world.is_main:
-            shutil.rmtree(partial, ignore_errors=True)  # what a killed attempt left
-            partial.mkdir(parents=True)
-        world.barrier()
-        entries = write_part(source, partial, args.shard_size, world.rank, world.size, progress=not args.quiet)
-        (partial / f".rank-{world.rank}.json").write_text(json.dumps(entries))
-        world.barrier()  # every rank's shards are written
-        if world.is_main:
-            parts = [partial / f".rank-{r}.json" for r in range(world.size)]
-            shards = [entry for part in parts for entry in json.loads(part.read_text())]
-            for part in parts:
-                part.unlink()
-            write_manifest(partial, shards, source, args.shard_size, cfg.data.model_dump())
-            if out.exists():
-                out.rmdir()
-            partial.rename(out)
-            print(f"wrote {out}: {len(source)} examples in {shard_count(len(source), args.shard_size)} shards "
-                  f"(manifest.json)")
+        manifest = write_shards(source, Path(args.out), args.shard_size, cfg.data.model_dump(), world.rank,
+                                world.size, world.barrier, progress=not args.quiet)
     finally:
         close_world()
+    if manifest is not None:
+        print(f"wrote {args.out}: {manifest['examples']} examples in {len(manifest['shards'])} shards (manifest.json)")
     return 0
 
 

@@ -19,8 +19,10 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tarfile
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -133,15 +135,46 @@ def _index_of(tar: Path, lo: int, hi: int, members: list[str]) -> np.ndarray:
     return index
 
 
-def write_manifest(folder: Path, shards: list[dict], source: Source, shard_size: int, made_from: dict) -> Path:
+def refuse_written_over(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"{out} is not an empty folder; shards are never written over another data set")
+
+
+def write_shards(source: Source, out: Path, shard_size: int, made_from: dict, rank: int = 0, ranks: int = 1,
+                 barrier: Callable[[], None] = lambda: None, progress: bool = False) -> dict | None:
+    """Every rank its shards (`write_part`), rank 0 the manifest, all into a hidden folder beside `out` renamed to
+    `out` once whole, so that no half-written shard folder is ever left as `out` (which must be absent or empty).
+    -> the manifest on rank 0, None on the others. `barrier` waits for every rank (a World's)."""
+    refuse_written_over(out)
+    partial = out.with_name(f".{out.name}.partial")
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # what a killed attempt left
+        partial.mkdir(parents=True)
+    barrier()
+    (partial / f".rank-{rank}.json").write_text(json.dumps(write_part(source, partial, shard_size, rank, ranks,
+                                                                      progress)))
+    barrier()  # every rank's shards are written
+    if rank != 0:
+        return None
+    parts = [partial / f".rank-{r}.json" for r in range(ranks)]
+    shards = [entry for part in parts for entry in json.loads(part.read_text())]
+    for part in parts:
+        part.unlink()
+    manifest = write_manifest(partial, shards, source, shard_size, made_from)
+    if out.exists():
+        out.rmdir()
+    partial.rename(out)
+    return manifest
+
+
+def write_manifest(folder: Path, shards: list[dict], source: Source, shard_size: int, made_from: dict) -> dict:
     shards = sorted(shards, key=lambda s: s["tar"])
     manifest = {"format": FORMAT, "examples": len(source), "shape": list(source.shape),
                 "num_classes": source.num_classes, "flip": source.flip, "x": example_member(source),
                 "members": members_of(source),
                 "shard_size": shard_size, "sha256": whole_sha256(shards), "made_from": made_from, "shards": shards}
-    path = folder / MANIFEST
-    path.write_text(json.dumps(manifest, indent=1))
-    return path
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
 
 
 # --- reading --------------------------------------------------------------------------------------------------------
