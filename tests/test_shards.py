@@ -2,6 +2,7 @@
 stream resumes exactly on any number of ranks and loader workers; refused by name when missing, cut or changed."""
 
 import os
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from islands.data import build_data
 from islands.data.clusters import ClusterSubset
 from islands.data.loader import stream_loader
 from islands.data.shards import ShardSource, write_manifest, write_part
-from islands.data.sources import build_source
+from islands.data.sources import _ArraySource, build_source
 from islands.ddm.partition import partition
 from islands.rundir import latest_checkpoint, load_weights
 from islands.trainer import train
@@ -49,6 +50,20 @@ def test_float_vectors_without_labels_are_stored_as_arrays_and_not_clamped(tmp_p
     shards = ShardSource(shards_of(build_source("npz", path=str(tmp_path / "v.npz")), tmp_path / "shards"))
     got, labels = shards.get(range(23))
     assert shards.member == "x.npy" and labels is None and torch.equal(got, torch.from_numpy(x))
+
+
+def test_a_latent_member_is_read_as_stored(tmp_path, monkeypatch):
+    """Shards whose examples are `latent.npy` members (as precomputed latents are written) read like any array."""
+    from islands.data import shards as module
+
+    x = np.random.default_rng(2).normal(0, 4, size=(12, 4, 2, 2)).astype(np.float32)
+    monkeypatch.setattr(module, "example_member", lambda source: "latent.npy")
+    folder = shards_of(_ArraySource(torch.from_numpy(x), None, 0), tmp_path / "s")  # far outside [-1, 1]
+    monkeypatch.undo()
+    shards = ShardSource(folder)
+    with tarfile.open(folder / "shard-000000.tar") as tar:
+        assert tar.getnames()[:2] == ["000000000.latent.npy", "000000001.latent.npy"]
+    assert shards.member == "latent.npy" and torch.equal(shards.get(range(12))[0], torch.from_numpy(x))
 
 
 def test_the_tars_are_webdatasets_own(image_npz, npz_shards):
