@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_ranks, tiny_unet, tiny_unet_config, write_config
+from PIL import Image
 
 from islands.cli import main
 from islands.config import validate
@@ -41,6 +42,21 @@ def test_shards_give_back_their_source_exactly_in_any_order(image_npz, npz_shard
     assert len(list(npz_shards.glob("shard-*.tar"))) == 7 and shards.member == "png"
     order = np.random.default_rng(1).permutation(64)
     for want, got in zip(source.get(order), shards.get(order), strict=True):
+        assert torch.equal(want, got)
+
+
+def test_a_folder_of_colour_photographs_round_trips_through_png(tmp_path):
+    """RGB images decoded and resized by the folder source come back from their PNG members bit for bit, with the
+    folder's classes and flip."""
+    rng = np.random.default_rng(3)
+    for i in range(6):
+        (tmp_path / "photos" / f"class{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (13 + i, 11, 3), dtype=np.uint8)).save(
+            tmp_path / "photos" / f"class{i % 2}" / f"{i}.png")
+    source = build_source("folder", path=str(tmp_path / "photos"), resolution=8)
+    shards = ShardSource(shards_of(source, tmp_path / "shards", shard_size=4))
+    assert (shards.shape, shards.num_classes, shards.flip, shards.member) == ((3, 8, 8), 2, True, "png")
+    for want, got in zip(source.get(range(6)), shards.get(range(6)), strict=True):
         assert torch.equal(want, got)
 
 
