@@ -169,6 +169,25 @@ def _partition(args) -> int:
     return 0
 
 
+def _shard(args) -> int:
+    from islands.data import build_data
+    from islands.data.shards import refuse_written_over, write_shards
+    from islands.parallel.launch import close_world, init_world
+
+    cfg = load_config(args.config, args.overrides)
+    refuse_written_over(Path(args.out))
+    source = build_data(cfg.data, cfg.seed, check=True)  # a bad input stops here, before a shard is written
+    world = init_world()
+    try:
+        manifest = write_shards(source, Path(args.out), args.shard_size, cfg.data.model_dump(), world.rank,
+                                world.size, world.barrier, progress=not args.quiet)
+    finally:
+        close_world()
+    if manifest is not None:
+        print(f"wrote {args.out}: {manifest['examples']} examples in {len(manifest['shards'])} shards (manifest.json)")
+    return 0
+
+
 def _ddm(args) -> int:
     from islands.ddm.pipeline import emit_scripts, run_ddm
 
@@ -346,6 +365,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_partition)
 
+    p = sub.add_parser("shard", help="write the config's data as webdataset tar shards, for data.source: shards",
+                       description="Write the examples of the config's data section, whatever its source, into "
+                                   "OUT/shard-NNNNNN.tar (webdataset layout) with an index per shard and "
+                                   "OUT/manifest.json; a run reads them with data.source=shards data.path=OUT. Under "
+                                   "torchrun each rank writes every W-th shard (OUT on a filesystem all ranks see).")
+    p.add_argument("config", help="a config whose data section names the examples")
+    p.add_argument("out", help="the shard folder to write: absent or empty")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
+    p.add_argument("--shard-size", type=int, default=4096, help="examples per shard (default 4096)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_shard)
+
     p = sub.add_parser("ddm", help="partition, experts, router, samples and metrics of a decentralized model",
                        description="Run every step of a Decentralized Diffusion Model on this machine, skipping "
                                    "steps already complete (rerunning continues), or write launch scripts.")
@@ -388,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Options that count something and must be at least 1, checked before anything runs (argparse's own refusal would
 # print its usage on a second line).
-COUNTS = ("num", "steps", "batch_size", "max_loaded", "threads", "jobs", "ranks")
+COUNTS = ("num", "steps", "batch_size", "max_loaded", "threads", "jobs", "ranks", "shard_size")
 
 
 def _check_counts(args) -> None:

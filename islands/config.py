@@ -71,6 +71,11 @@ class NpzData(_Data):
     resolution: int | None = Field(None, gt=0)
 
 
+class ShardsData(_Data):
+    source: Literal["shards"] = "shards"
+    path: str  # a folder written by `islands shard`
+
+
 class GMMData(_Data):
     source: Literal["gmm"] = "gmm"
     means: list[list[float]]
@@ -87,7 +92,8 @@ class GMMData(_Data):
         return self
 
 
-DataConfig = Annotated[Mnist5kData | FashionMnistData | FolderData | NpzData | GMMData, Field(discriminator="source")]
+DataConfig = Annotated[Mnist5kData | FashionMnistData | FolderData | NpzData | ShardsData | GMMData,
+                       Field(discriminator="source")]
 
 
 # --- model: one variant per network, told apart by `arch` (the registry is islands/nets/__init__.py) ---
@@ -201,7 +207,8 @@ def _keys_by_kind(tag: str, *variants) -> dict[str, set[str]]:
 
 # Sections with variants: the key that tells them apart, its default, and the keys each kind takes.
 VARIANTS = {
-    "data": ("source", "mnist5k", _keys_by_kind("source", Mnist5kData, FashionMnistData, FolderData, NpzData, GMMData)),
+    "data": ("source", "mnist5k", _keys_by_kind("source", Mnist5kData, FashionMnistData, FolderData, NpzData,
+                                                 ShardsData, GMMData)),
     "model": ("arch", "unet", _keys_by_kind("arch", UNetModel, DiTModel, MLPModel, RouterModel)),
     "flow": ("path", "rectified_flow", _keys_by_kind("path", ContinuousFlow, DiscreteFlow)),
 }

@@ -321,3 +321,21 @@ def test_a_partition_that_records_no_data_fingerprint_is_checked_by_length_with_
     warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert warned == [f"islands: warning: partition {tmp_path / 'ens' / 'partition'} records no fingerprint of its "
                       f"data: {image_npz} is checked by its length only; partition again to have it checked"]
+
+
+def test_data_beyond_the_sample_is_clustered_in_one_streaming_pass(blobs, monkeypatch):
+    """With more examples than `sample`, the fine centroids are fitted on the sample alone and every example goes,
+    in chunks, to its nearest one (checked against all distances at once); the four blobs still come out whole."""
+    from islands.ddm import partition as module
+
+    fitted = []
+    real_kmeans = module.kmeans
+    monkeypatch.setattr(module, "kmeans", lambda x, *a, **kw: fitted.append(len(x)) or real_kmeans(x, *a, **kw))
+    made = partition(blobs, 4, "kmeans", pca_dim=None, fine=16, balanced=False, seed=0, sample=300)
+    assert fitted[0] == 300  # the fine stage saw the sample only
+    nearest = torch.cdist(blobs.x.double(), torch.from_numpy(made.fine_centroids).double()).argmin(1).numpy()
+    assert np.array_equal(made.fine_assignment, nearest)
+    for fine in range(len(made.fine_centroids)):  # an example's cluster is its fine centroid's
+        assert len(np.unique(made.cluster[made.fine_assignment == fine])) == 1
+    for component in range(4):  # each blob lies in one cluster
+        assert len(np.unique(made.cluster[blobs.y.numpy() == component])) == 1

@@ -70,6 +70,7 @@ class ClusterSubset(Source):
         if len(self.indices) == 0:
             raise DataError(f"data.cluster: cluster {k} of the partition is empty")
         self.shape, self.num_classes, self.flip = source.shape, source.num_classes, source.flip
+        self.quantised = source.quantised
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -86,6 +87,7 @@ class ClusterLabelled(Source):
         self.source, self.cluster = source, torch.from_numpy(cluster)
         self.num_clusters = int(cluster.max()) + 1
         self.shape, self.num_classes, self.flip = source.shape, source.num_classes, source.flip
+        self.quantised = source.quantised
 
     def __len__(self) -> int:
         return len(self.source)

@@ -11,6 +11,7 @@ Sources:
     fashion_mnist  Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)
     folder         a folder of PNG/JPEG images, decoded lazily in get()
     npz            an .npz/.npy array file (images or vectors)
+    shards         webdataset tar shards written by `islands shard` (islands/data/shards.py)
 
 Every unreadable or corrupt input raises DataError with a one-line message
 that names the file and what is wrong.
@@ -40,6 +41,7 @@ class Source(ABC):
     num_classes: int = 0
     flip: bool = False
     read_from: tuple = ()  # the files its examples are decoded from (data/fingerprint.py remembers their hash)
+    quantised: bool = False  # every example is an 8-bit image (k / 127.5 - 1): `islands shard` stores it as a PNG
     options: tuple | None = None  # everything it was built with, set by build_source (None: not known)
 
     @abstractmethod
@@ -108,6 +110,7 @@ class _ArraySource(Source):
         self.shape = tuple(data.shape[1:])
         self.num_classes = num_classes
         self.flip = flip
+        self.quantised = data.dtype == torch.uint8
 
     def __len__(self):
         return len(self.data)
@@ -309,7 +312,7 @@ class ImageFolder(Source):
             self.classes, self.labels = [], None
         self.num_classes = len(self.classes)
         self.shape = (channels, self.resolution, self.resolution)
-        self.flip = True
+        self.flip, self.quantised = True, True
 
     def __len__(self):
         return len(self.files)
@@ -452,8 +455,13 @@ SOURCES = {
 
 def build_source(name, **options):
     """Construct a source by name; options are the class's keyword arguments."""
-    if name not in SOURCES:
-        raise ValueError(f"unknown data source {name!r}; choose from {', '.join(SOURCES)}")
-    source = SOURCES[name](**options)
+    if name == "shards":  # its own module: the format of shards is a job apart
+        from islands.data.shards import ShardSource
+
+        source = ShardSource(**options)
+    elif name not in SOURCES:
+        raise ValueError(f"unknown data source {name!r}; choose from {', '.join([*SOURCES, 'shards'])}")
+    else:
+        source = SOURCES[name](**options)
     source.options = (name, *sorted(options.items()))
     return source

@@ -7,6 +7,11 @@ data; an example belongs to the coarse cluster of its fine centroid. Here the fe
 (`Pixels` by default), optionally reduced by PCA first. Two baselines sit beside it: a seeded random split and
 the oracle split by class label.
 
+Data whose features do not fit in memory (more than `sample` examples): two-stage on a sample. The PCA and the
+fine centroids are fitted on a seeded sample of `sample` examples; then one streaming pass over the data, in
+chunks, gives every example its nearest fine centroid and each centroid its count, which weights the coarse
+stage. Only the sample's features, the centroids and one integer per example are ever held.
+
 On disk a partition is `partition.json` (everything but arrays) and `assignments.npz` (cluster of every example,
 fine and coarse centroids, fine assignment), each written to a temporary file and renamed into place, and read
 back with allow_pickle=False.
@@ -24,6 +29,7 @@ from islands.config import ConfigError
 from islands.data.fingerprint import data_fingerprint
 from islands.data.sources import Source
 from islands.errors import DataError
+from islands.eval.features import BATCH as FEATURE_BATCH
 from islands.eval.features import Features, Pixels
 from islands.images import save_grid
 from islands.rundir import atomic_write, atomic_write_text, read_npz
@@ -172,6 +178,11 @@ def pca(x: torch.Tensor, dim: int) -> torch.Tensor:
     The axes are eigenvectors of the covariance (float64, accumulated in blocks), each signed so that its entry of
     largest magnitude is positive: the same data always gives the same projection.
     """
+    return project(x, *pca_axes(x, dim))
+
+
+def pca_axes(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean [D] and the `dim` leading principal axes [D, dim] of x [N, D], float64, as `pca` uses them."""
     n, d = x.shape
     if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= d:
         raise ValueError(f"pca: dim must be an int in 1..{d}, got {dim!r}")
@@ -183,7 +194,12 @@ def pca(x: torch.Tensor, dim: int) -> torch.Tensor:
     _, vectors = torch.linalg.eigh(cov)
     axes = vectors[:, -dim:].flip(1)  # eigh sorts eigenvalues ascending
     axes *= torch.sign(axes.gather(0, axes.abs().argmax(0, keepdim=True)))
-    return torch.cat([(x[lo:lo + READ_BATCH].double() - mean) @ axes for lo in range(0, n, READ_BATCH)]).float()
+    return mean, axes
+
+
+def project(x: torch.Tensor, mean: torch.Tensor, axes: torch.Tensor) -> torch.Tensor:
+    """x [N, D] centred and projected onto `axes` -> [N, dim] float32."""
+    return torch.cat([(x[lo:lo + READ_BATCH].double() - mean) @ axes for lo in range(0, len(x), READ_BATCH)]).float()
 
 
 # --- the partition ------------------------------------------------------------------------------------------------
@@ -282,11 +298,13 @@ def _deal_classes(labels: np.ndarray, k: int) -> np.ndarray:
 
 def partition(source: Source, k: int, method: str = "kmeans", features: Features | None = None,
               pca_dim: int | None = 64, fine: int = 1024, balanced: bool = True, seed: int = 0,
-              progress: bool = False) -> Partition:
+              progress: bool = False, sample: int = 65_536) -> Partition:
     """Split `source` into k clusters.
 
     kmeans: features (default `Pixels()`), PCA to pca_dim when they are wider, k-means into min(fine, N) fine
     centroids, then k-means over those centroids weighted by their sizes into k coarse clusters (balanced or not).
+    Beyond `sample` examples, PCA and fine centroids are fitted on a seeded sample of that many and every example
+    is assigned to its nearest fine centroid in one streaming pass (the module's docstring).
     random: a seeded shuffle dealt round-robin, so sizes differ by at most 1. label: whole classes dealt to clusters,
     largest first to the least-loaded one.
     """
@@ -325,16 +343,35 @@ def partition(source: Source, k: int, method: str = "kmeans", features: Features
         return made(_deal_classes(labels, k), "labels")
 
     features = features or Pixels()
-    z = features.of_source(source, progress=progress).float()
-    name = features.name
+    sampled = n > sample
+    if sampled:
+        fitted_on = np.sort(torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:sample].numpy())
+        z = torch.cat(list(_feature_chunks(features, source, fitted_on, progress)))
+    else:
+        z = features.of_source(source, progress=progress).float()
+    name, axes = features.name, None
     if pca_dim and z.shape[1] > pca_dim:
-        z, name = pca(z, pca_dim), f"{name}+pca{pca_dim}"
-    fine_centroids, fine_assignment = kmeans(z, min(fine, n), seed, progress=progress)
+        axes, name = pca_axes(z, pca_dim), f"{name}+pca{pca_dim}"
+        z = project(z, *axes)
+    fine_centroids, fine_assignment = kmeans(z, min(fine, len(z)), seed, progress=progress)
+    if sampled:  # the whole data, in one streaming pass: each example to its nearest fine centroid
+        del z
+        fine_assignment = torch.cat([_nearest(project(chunk, *axes) if axes else chunk, fine_centroids)
+                                     for chunk in _feature_chunks(features, source, np.arange(n), progress)])
+        used = torch.unique(fine_assignment)  # sorted; a centroid of the sample may be no example's nearest
+        fine_centroids, fine_assignment = fine_centroids[used], torch.searchsorted(used, fine_assignment)
     counts = torch.bincount(fine_assignment, minlength=len(fine_centroids))
     coarse_centroids, coarse_of_fine = kmeans(fine_centroids, k, seed, weights=counts.float(), balanced=balanced,
                                               progress=progress)
     return made(coarse_of_fine[fine_assignment].numpy(), name, fine_centroids=fine_centroids.numpy(),
                 coarse_centroids=coarse_centroids.numpy(), fine_assignment=fine_assignment.numpy())
+
+
+def _feature_chunks(features: Features, source: Source, indices: np.ndarray, progress: bool):
+    """The features of `source`'s examples `indices`, in the batches `Features.of_source` reads."""
+    for lo in tqdm(range(0, len(indices), FEATURE_BATCH), disable=not progress, desc=f"{features.name} features",
+                   unit="batch"):
+        yield features(source.get(indices[lo:lo + FEATURE_BATCH])[0]).float()
 
 
 # --- a picture of the clusters ------------------------------------------------------------------------------------

@@ -1,0 +1,355 @@
+"""A data set as webdataset tar shards with an index beside them: written once from any source, read by seek.
+
+    OUT/manifest.json         what the shards hold: examples, shape, classes, members, per shard its count, bytes
+                              and sha256, the sha256 of the whole, and the data section it was written from
+    OUT/shard-000000.tar      examples 0 .. S-1 in the source's order, webdataset's layout: `000000000.png` (or
+                              `.x.npy`, float32; `.latent.npy` for latents) and `000000000.cls` (the class, in ASCII)
+    OUT/shard-000000.idx.npy  int64 (examples, members, 2): the byte offset and size of each member's data, the
+                              members in the manifest's order (`members`); `x` names the one that is the example
+
+The tars are what webdataset, wids and tar read. The index makes them random access (as `wids` does by scanning):
+an example is one `pread` of its adjacent members, so the loader orders the stream by position exactly as for an
+in-memory source, and a run resumes at any image on any number of ranks and loader workers. Shard i holds examples
+[i S, (i + 1) S) whoever wrote it: under torchrun rank r of W writes the shards i = r mod W, and the files are the
+same bytes as one process writes. Nothing is unpickled: arrays by `np.load(allow_pickle=False)`, images by PIL.
+Examples come back as stored, never clamped: images in [-1, 1], latents on their own scale.
+"""
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from islands.data.sources import Source
+from islands.data.sources import _to_unit as to_unit
+from islands.errors import DataError
+
+MANIFEST = "manifest.json"
+FORMAT = "islands-shards/1"
+OPEN_FILES = 64  # shard files a process keeps open (least recently read closed first)
+READ_CHUNK = 1024  # examples taken from the source at a time while writing
+HASH_BLOCK = 1 << 20
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:06d}.tar"
+
+
+def index_name(i: int) -> str:
+    return f"shard-{i:06d}.idx.npy"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def whole_sha256(shards: list[dict]) -> str:
+    """The content hash of a shard set: of every shard's name, count and sha256, in order."""
+    return hashlib.sha256(json.dumps([[s["tar"], s["examples"], s["sha256"]] for s in shards]).encode()).hexdigest()
+
+
+# --- writing --------------------------------------------------------------------------------------------------------
+
+def example_member(source: Source) -> str:
+    """The member that holds an example: a PNG for 8-bit images (exact, and what people bring), else float32."""
+    return "png" if source.quantised and len(source.shape) == 3 and source.shape[0] in (1, 3) else "x.npy"
+
+
+def _encode(x: torch.Tensor, member: str) -> bytes:
+    buffer = io.BytesIO()
+    if member == "png":
+        u = torch.round((x + 1) * 127.5).clamp_(0, 255).to(torch.uint8)
+        if not torch.equal(to_unit(u), x):  # a source that says it is 8-bit must decode back to its own floats
+            raise ValueError("a quantised source gave an example that is not an 8-bit image")
+        a = u.numpy()
+        Image.fromarray(a[0] if a.shape[0] == 1 else a.transpose(1, 2, 0)).save(buffer, format="PNG")
+    else:
+        np.save(buffer, x.float().numpy(), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def members_of(source: Source) -> list[str]:
+    return [example_member(source), *(["cls"] if source.num_classes else [])]
+
+
+def shard_count(examples: int, shard_size: int) -> int:
+    return -(-examples // shard_size)
+
+
+def write_part(source: Source, folder: Path, shard_size: int, rank: int = 0, ranks: int = 1,
+               progress: bool = False) -> list[dict]:
+    """Rank `rank` of `ranks`: the shards i = rank mod ranks of `source` into `folder`, each with its index.
+    -> their manifest entries."""
+    try:  # only writing needs it
+        from webdataset import TarWriter
+    except ImportError as err:
+        raise DataError(f"islands shard needs webdataset ({err}); pip install 'islands[shards]'") from None
+
+    member, n = example_member(source), len(source)
+    mine = range(rank, shard_count(n, shard_size), ranks)
+    entries = []
+    bar = tqdm(total=sum(min(n, (i + 1) * shard_size) - i * shard_size for i in mine), disable=not progress,
+               desc=f"shards (rank {rank})" if ranks > 1 else "shards", unit="ex")
+    for i in mine:
+        lo, hi = i * shard_size, min(n, (i + 1) * shard_size)
+        tar = folder / shard_name(i)
+        # fixed owner and time: the same examples make the same bytes, whichever rank or day wrote them
+        with TarWriter(str(tar), encoder=False, mtime=0, user="islands", group="islands") as writer:
+            for start in range(lo, hi, READ_CHUNK):
+                x, y = source.get(list(range(start, min(hi, start + READ_CHUNK))))
+                for j in range(len(x)):
+                    example = {"__key__": f"{start + j:09d}", member: _encode(x[j], member)}
+                    if y is not None:
+                        example["cls"] = str(int(y[j])).encode()
+                    writer.write(example)
+                bar.update(len(x))
+        np.save(folder / index_name(i), _index_of(tar, lo, hi, members_of(source)), allow_pickle=False)
+        entries.append({"tar": shard_name(i), "index": index_name(i), "examples": hi - lo,
+                        "bytes": tar.stat().st_size, "sha256": file_sha256(tar),
+                        "index_sha256": file_sha256(folder / index_name(i))})
+    bar.close()
+    return entries
+
+
+def _index_of(tar: Path, lo: int, hi: int, members: list[str]) -> np.ndarray:
+    """(examples, members, 2) int64: each member's data offset and size, found by reading the tar's headers."""
+    index = np.zeros((hi - lo, len(members), 2), dtype=np.int64)
+    with tarfile.open(tar) as f:
+        for info in f:
+            key, _, ext = info.name.partition(".")
+            index[int(key) - lo, members.index(ext)] = (info.offset_data, info.size)
+    return index
+
+
+def refuse_written_over(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"{out} is not an empty folder; shards are never written over another data set")
+
+
+def write_shards(source: Source, out: Path, shard_size: int, made_from: dict, rank: int = 0, ranks: int = 1,
+                 barrier: Callable[[], None] = lambda: None, progress: bool = False) -> dict | None:
+    """Every rank its shards (`write_part`), rank 0 the manifest, all into a hidden folder beside `out` renamed to
+    `out` once whole, so that no half-written shard folder is ever left as `out` (which must be absent or empty).
+    -> the manifest on rank 0, None on the others. `barrier` waits for every rank (a World's)."""
+    refuse_written_over(out)
+    partial = out.with_name(f".{out.name}.partial")
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # what a killed attempt left
+        partial.mkdir(parents=True)
+    barrier()
+    (partial / f".rank-{rank}.json").write_text(json.dumps(write_part(source, partial, shard_size, rank, ranks,
+                                                                      progress)))
+    barrier()  # every rank's shards are written
+    if rank != 0:
+        return None
+    parts = [partial / f".rank-{r}.json" for r in range(ranks)]
+    shards = [entry for part in parts for entry in json.loads(part.read_text())]
+    for part in parts:
+        part.unlink()
+    manifest = write_manifest(partial, shards, source, shard_size, made_from)
+    if out.exists():
+        out.rmdir()
+    partial.rename(out)
+    return manifest
+
+
+def write_manifest(folder: Path, shards: list[dict], source: Source, shard_size: int, made_from: dict) -> dict:
+    shards = sorted(shards, key=lambda s: s["tar"])
+    manifest = {"format": FORMAT, "examples": len(source), "shape": list(source.shape),
+                "num_classes": source.num_classes, "flip": source.flip, "x": example_member(source),
+                "members": members_of(source),
+                "shard_size": shard_size, "sha256": whole_sha256(shards), "made_from": made_from, "shards": shards}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+# --- reading --------------------------------------------------------------------------------------------------------
+
+class ShardSource(Source):
+    """The examples of a shard folder (`islands shard`), read by seek through the index. Missing or truncated
+    shards and a manifest that is not a shard folder's are refused when it is built; `check` also hashes every file
+    against the manifest (a shard changed since it was written, or a manifest of other data)."""
+
+    def __init__(self, path):
+        self.root = Path(path)
+        self.manifest = read_manifest(self.root)
+        m = self.manifest
+        self.shape, self.num_classes, self.flip = tuple(m["shape"]), m["num_classes"], m["flip"]
+        self.member, self.quantised = m["x"], m["x"] == "png"
+        # the columns of the index read: the example's, then its class's (other members, as a latent's
+        # log-variance beside its mean, are left unread)
+        self.columns = [m["members"].index(m["x"]), *([m["members"].index("cls")] if self.num_classes else [])]
+        self.tars = [self.root / s["tar"] for s in m["shards"]]
+        self.index_files = [self.root / s["index"] for s in m["shards"]]
+        self.starts = np.cumsum([0] + [s["examples"] for s in m["shards"]])
+        self.read_from = (self.root / MANIFEST, *self.tars, *self.index_files)
+        for tar, index, entry in zip(self.tars, self.index_files, m["shards"], strict=True):
+            _check_size(tar, index, entry)
+        self._indices, self._files, self._pid = {}, OrderedDict(), os.getpid()
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getstate__(self):  # a worker started by spawn opens its own files
+        return {**self.__dict__, "_files": OrderedDict()}
+
+    def get(self, indices):
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"example indices outside 0..{len(self) - 1}")
+        shard = np.searchsorted(self.starts, idx, side="right") - 1
+        rows = idx - self.starts[shard]
+        examples, labels = [None] * len(idx), np.zeros(len(idx), dtype=np.int64)
+        for i in np.lexsort((rows, shard)):  # in file order: each shard read front to back
+            examples[i], labels[i] = self._read(int(shard[i]), int(rows[i]))
+        if not examples:
+            return torch.zeros((0, *self.shape)), (torch.zeros(0, dtype=torch.int64) if self.num_classes else None)
+        x = torch.from_numpy(np.stack(examples))
+        return (to_unit(x) if self.quantised else x), (torch.from_numpy(labels) if self.num_classes else None)
+
+    def _read(self, shard: int, row: int) -> tuple[np.ndarray, int]:
+        where = self._index(shard)[row, self.columns]
+        first, end = int(where[:, 0].min()), int((where[:, 0] + where[:, 1]).max())  # an example's members lie together
+        data = os.pread(self._file(shard), end - first, first)
+        if len(data) != end - first:
+            raise DataError(f"truncated shard {self.tars[shard]}: example {row} ends at byte {end}, the file has "
+                            f"{os.fstat(self._file(shard)).st_size}")
+        (x_at, x_size) = where[0]
+        x = self._decode(data[x_at - first:x_at - first + x_size], shard, row)
+        if not self.num_classes:
+            return x, -1
+        c_at, c_size = where[1]
+        return x, int(data[c_at - first:c_at - first + c_size])
+
+    def _decode(self, blob: bytes, shard: int, row: int) -> np.ndarray:
+        try:
+            if self.quantised:
+                with Image.open(io.BytesIO(blob)) as img:
+                    a = np.asarray(img, dtype=np.uint8)
+                a = a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+            else:
+                a = np.load(io.BytesIO(blob), allow_pickle=False)
+        except Exception as e:  # decoders of damaged bytes raise all sorts of things
+            raise DataError(f"shard {self.tars[shard]}: example {row} cannot be decoded: {e}") from None
+        if a.shape != self.shape or a.dtype != (np.uint8 if self.quantised else np.float32):
+            raise DataError(f"shard {self.tars[shard]}: example {row} is {a.dtype} {a.shape}, the manifest says "
+                            f"{self.shape}")
+        return a
+
+    def _index(self, shard: int) -> np.ndarray:
+        if shard not in self._indices:
+            path, entry = self.index_files[shard], self.manifest["shards"][shard]
+            members = len(self.manifest["members"])
+            try:
+                index = np.load(path, allow_pickle=False)
+            except (OSError, ValueError) as e:
+                raise DataError(f"shard index {path}: cannot read: {e}") from None
+            if index.shape != (entry["examples"], members, 2) or index.dtype != np.int64:
+                raise DataError(f"shard index {path}: {index.dtype} {index.shape} does not index the "
+                                f"{entry['examples']} examples the manifest gives {entry['tar']}")
+            self._indices[shard] = index
+        return self._indices[shard]
+
+    def _file(self, shard: int) -> int:
+        """An open descriptor of the shard, this process's own (a forked loader worker opens its own)."""
+        if os.getpid() != self._pid:
+            for fd in self._files.values():
+                os.close(fd)
+            self._files.clear()
+            self._pid = os.getpid()
+        if shard in self._files:
+            self._files.move_to_end(shard)
+        else:
+            try:
+                self._files[shard] = os.open(self.tars[shard], os.O_RDONLY)
+            except OSError as e:
+                raise DataError(f"shard {self.tars[shard]}: cannot read: {e.strerror or e}") from None
+            if len(self._files) > OPEN_FILES:
+                os.close(self._files.popitem(last=False)[1])
+        return self._files[shard]
+
+    def check(self):
+        """Every shard and index hashed against the manifest (remembered per state of the files)."""
+        for i, (tar, index, entry) in enumerate(zip(self.tars, self.index_files, self.manifest["shards"],
+                                                    strict=True)):
+            _check_size(tar, index, entry)
+            _check_index(index, entry)
+            if file_sha256(tar) != entry["sha256"]:
+                raise DataError(f"shard {tar} changed since it was written, or the manifest is another data set's "
+                                f"(its sha256 is not the one {self.root / MANIFEST} lists); write the shards again "
+                                "with 'islands shard'")
+            self._index(i)
+
+
+def _check_index(index: Path, entry: dict) -> None:
+    try:
+        found = file_sha256(index)
+    except OSError as e:
+        raise DataError(f"shard index {index}: cannot read: {e.strerror or e}") from None
+    if found != entry["index_sha256"]:
+        raise DataError(f"shard index {index} is not the one {index.parent / MANIFEST} lists: the manifest is "
+                        "another data set's, or the shards were written over; write them again with 'islands shard'")
+
+
+def _check_size(tar: Path, index: Path, entry: dict) -> None:
+    """The shard is there at the size the manifest says; a size that differs with an index that differs too
+    means a manifest of other shards."""
+    try:
+        size = tar.stat().st_size
+    except FileNotFoundError:
+        raise DataError(f"shard {tar} is missing (the manifest lists it)") from None
+    except OSError as e:
+        raise DataError(f"shard {tar}: cannot read: {e.strerror or e}") from None
+    if size != entry["bytes"]:
+        _check_index(index, entry)
+        raise DataError(f"{'truncated' if size < entry['bytes'] else 'grown'} shard {tar}: {size} bytes, the "
+                        f"manifest says {entry['bytes']}")
+
+
+MANIFEST_KEYS = {"format": str, "examples": int, "shape": list, "num_classes": int, "flip": bool, "x": str,
+                 "members": list, "sha256": str, "shards": list}
+SHARD_KEYS = {"tar": str, "index": str, "examples": int, "bytes": int, "sha256": str, "index_sha256": str}
+
+
+def read_manifest(root: Path) -> dict:
+    """The manifest of a shard folder, its structure checked and its whole hash recomputed; one line on trouble."""
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise DataError(f"shard folder {root} does not exist; write it with 'islands shard CONFIG {root}'")
+    try:
+        m = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"shard folder {root} has no {MANIFEST}; write it with 'islands shard'") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DataError(f"shard manifest {path}: cannot read: {e}") from None
+    wrong = [k for k, t in MANIFEST_KEYS.items() if not isinstance(m, dict) or not isinstance(m.get(k), t)]
+    wrong += [f"shards[{i}].{k}" for i, s in enumerate(m.get("shards") or [] if not wrong else [])
+              for k, t in SHARD_KEYS.items() if not isinstance(s, dict) or not isinstance(s.get(k), t)]
+    if wrong:
+        raise DataError(f"shard manifest {path}: missing or mistyped {', '.join(wrong)}")
+    if m["format"] != FORMAT:
+        raise DataError(f"shard manifest {path}: format {m['format']!r}, this Islands reads {FORMAT!r}")
+    if m["x"] not in ("png", "x.npy", "latent.npy") or m["x"] not in m["members"]:
+        raise DataError(f"shard manifest {path}: unknown example member {m['x']!r}")
+    if ("cls" in m["members"]) != (m["num_classes"] > 0):
+        raise DataError(f"shard manifest {path}: {m['num_classes']} classes, but 'cls' is "
+                        f"{'' if 'cls' in m['members'] else 'not '}a member")
+    if whole_sha256(m["shards"]) != m["sha256"] or sum(s["examples"] for s in m["shards"]) != m["examples"]:
+        raise DataError(f"shard manifest {path}: its shards do not add up to its sha256 and count (edited by hand?)")
+    if any(Path(s["tar"]).name != s["tar"] or Path(s["index"]).name != s["index"] for s in m["shards"]):
+        raise DataError(f"shard manifest {path}: shard names must be file names inside {root}")
+    return m
