@@ -88,7 +88,7 @@ def monolith_images(cfg: Config) -> int:
     info = describe_run(expert_runs(cfg, 0)[0])[1]
     shape, num_classes = tuple(info["shape"]), info["num_classes"]
     micro = mono.train.batch_size // mono.train.accumulate
-    per_image = flops_per_image(mono.model, shape, num_classes, build_objective(mono, num_classes), micro,
+    per_image = flops_per_image(mono.model, shape, num_classes, build_objective(mono), micro,
                                 checkpointing=mono.train.activation_checkpointing)
     return max(cfg.train.images, math.ceil(ensemble_training_flops(cfg) / per_image))
 

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from islands.data import judged_on, streams
+from islands.data.batch import Batch
 from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
 from islands.eval.evaluate import Evaluator, generated
 from islands.generate import generate, run_sample_options, sample_labels
@@ -119,10 +120,14 @@ class Checkpointer(Reporter):
         self.parts.world.barrier()
 
 
-def fixed_probe(parts: Parts, size: int):
-    """A fixed random subset of the data (some sources are sorted by class)."""
+def fixed_probe(parts: Parts, size: int) -> Batch:
+    """A fixed random subset of the data (some sources are sorted by class), on the run's device."""
     order = torch.randperm(len(parts.source), generator=streams.generator(parts.cfg.seed, 0, "validation"))
-    return parts.source.get(order[:size].tolist())
+    indices = order[:size].tolist()
+    x, condition = parts.source.get(indices)
+    if condition is None:
+        condition = torch.full((len(x),), -1, dtype=torch.long)
+    return Batch(x, condition, order[:size], cluster=parts.source.clusters_of(indices)).to(parts.world.device)
 
 
 class SampleGrid(Reporter):
@@ -162,10 +167,7 @@ class Evaluation(Reporter):
         record = {"images": step.progress.images}
         if cfg.eval.val_size:
             self.probe = self.probe or fixed_probe(p, cfg.eval.val_size)
-            x0, labels = self.probe
-            by_t = p.objective.validation_loss(plain, x0.to(p.world.device),
-                                               labels.to(p.world.device) if p.num_classes else None,
-                                               cfg.eval.val_times)
+            by_t = p.objective.validation_loss(plain, self.probe, cfg.eval.val_times)
             if by_t is not None:
                 record.update(val_loss=sum(by_t) / len(by_t), val_loss_by_t=by_t)
         if cfg.eval.metrics != []:
@@ -196,12 +198,10 @@ class RouterAccuracy(Reporter):
         plain = p.plain_copy()
         if plain is None:
             return
-        x0, labels = fixed_probe(p, min(len(p.source), 2000))
+        probe = fixed_probe(p, min(len(p.source), 2000))
         if self.exact is None and len(p.source) * math.prod(p.shape) <= EXACT_POSTERIOR_LIMIT:
             self.exact = exact_cluster_posterior(p.source, p.cfg.model.outputs, p.num_classes)
-        device = p.world.device
-        report = {"images": step.progress.images,
-                  **p.objective.report_by_t(plain, x0.to(device), labels.to(device), self.exact)}
+        report = {"images": step.progress.images, **p.objective.report_by_t(plain, probe, self.exact)}
         atomic_write_text(p.run_dir / "router_accuracy.json", json.dumps(report, indent=1))
         curves = {"top-1 accuracy": report["accuracy"]}
         if "tv" in report:
