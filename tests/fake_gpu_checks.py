@@ -16,7 +16,7 @@ from fake_gpu import DEVICE, FakeGpuMode
 from islands.config import SampleConfig, validate
 from islands.data.batch import Batch
 from islands.data.posterior import ExactPosterior
-from islands.ddm.ensemble import LearnedRouter, ancestral_preparation
+from islands.ddm.ensemble import LearnedRouter, ancestral_assignment
 from islands.ddm.expert_parallel import ExpertParallelMixture
 from islands.ddm.mixture import ExpertSlot, Mixture
 from islands.ddm.time_gate import TimeGate
@@ -227,11 +227,11 @@ def test_every_solver_samples_on_the_device(solver):
 @pytest.mark.parametrize("routing", ["ancestral", "top1", "topk:2", "full", "nucleus:0.9", "sample",
                                      "ancestral_then:topk:1@0.5"])
 def test_a_routed_mixture_samples_on_the_device(routing):
-    mixture = Mixture(experts(), LearnedRouter(router_net()), routing=routing, seed=2)
+    mixture = Mixture(experts(), LearnedRouter(router_net()), routing=routing, seed=2, call_batch=4)
     manifest = {"prior": [0.5, 0.5], "prior_by_class": [[0.9, 0.1], [0.2, 0.8]]}
-    opts = SampleConfig(steps=2, solver="heun", guidance=2.0, batch_size=mixture.plan_sampling(4))
+    opts = SampleConfig(steps=2, solver="heun", guidance=2.0, batch_size=mixture.samples_at_once(4))
     generate(mixture, (2,), 6, opts, seed=1, labels=torch.arange(6) % 2, device=DEVICE,
-             prepare=ancestral_preparation(mixture, manifest, seed=1))
+             for_batch=ancestral_assignment(mixture, manifest, seed=1))
     assert mixture.evaluations > 0
 
 

@@ -200,9 +200,8 @@ class DistillObjective(DiffusionObjective):
         noise, t, cond = draw(self.seed, batch, self.times, self.condition, self.label_dropout)
         x_t = canonical_x_t(batch.x, noise, t)
         with torch.no_grad():
-            if self.own_cluster:
-                self.teacher.assign(batch.cluster)
-            target = self.teacher(x_t, t, cond)
+            teacher = self.teacher.assigned(batch.cluster) if self.own_cluster else self.teacher
+            target = teacher(x_t, t, cond)
         return (self.denoiser(net)(x_t, t, cond) - target).square().flatten(1).mean(1)
 
     def validation_loss(self, net, probe, times):

@@ -12,6 +12,7 @@ from islands.config import Config
 from islands.data import ClusterSubset, build_data, data_name
 from islands.data.clusters import read_clusters
 from islands.data.sources import Source
+from islands.data.space import PIXELS, DataSpace
 from islands.errors import CheckpointError, ConfigError, IslandsWarning, config_errors
 from islands.generate import network_with_weights
 from islands.nets import build_network
@@ -57,6 +58,7 @@ class Parts:
     ema: EMA | None
     scaler: torch.amp.GradScaler
     objective: Objective
+    space: DataSpace = PIXELS  # between the data and the objective, and the samples and what people see
 
     @property
     def main(self) -> bool:

@@ -18,7 +18,7 @@ from islands.data import judged_on, streams
 from islands.data.batch import Batch
 from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
 from islands.eval.evaluate import Evaluator, generated
-from islands.generate import generate, run_sample_options, sample_labels
+from islands.generate import Sampler, run_sample_options
 from islands.images import save_curve, save_samples_picture
 from islands.rundir import atomic_write_text
 from islands.train.logbook import Logbook
@@ -130,6 +130,12 @@ def fixed_probe(parts: Parts, size: int) -> Batch:
     return Batch(x, condition, order[:size], cluster=parts.source.clusters_of(indices)).to(parts.world.device)
 
 
+def sampler_of(parts: Parts, plain: torch.nn.Module) -> Sampler:
+    """The network `plain` (a plain copy of the run's) opened for sampling as the run's samples are drawn."""
+    opts = run_sample_options(parts.cfg.sample, parts.cfg, parts.world.device)
+    return Sampler(parts.objective.denoiser(plain), parts.cfg, parts.shape, parts.num_classes, opts, space=parts.space)
+
+
 class SampleGrid(Reporter):
     """A picture of samples of the averaged weights: a grid of images, or a scatter of vectors over the data."""
 
@@ -142,9 +148,8 @@ class SampleGrid(Reporter):
         if plain is None:
             return
         num = min(p.cfg.sample.num, 64 if len(p.shape) == 3 else 2000)  # a legible grid, or a dense scatter
-        opts = run_sample_options(p.cfg.sample, p.cfg, p.world.device)
-        x = generate(p.objective.denoiser(plain), p.shape, num, opts, p.cfg.seed,
-                     sample_labels(num, p.num_classes), device=p.world.device)
+        sampler = sampler_of(p, plain)
+        x = sampler.generate(num, sampler.labels(num), device=p.world.device)
         reference = p.source.get(list(range(min(len(p.source), 2000))))[0] if len(p.shape) == 1 else None
         images = step.progress.images
         save_samples_picture(x, p.run_dir / "samples" / f"{images:012d}.png", reference, f"{images} images")
@@ -173,11 +178,10 @@ class Evaluation(Reporter):
         if cfg.eval.metrics != []:
             self.evaluator = self.evaluator or Evaluator(judged_on(p.source), cfg.eval, cfg.seed,
                                                          device=p.world.device)
-            denoiser = p.objective.denoiser(plain)  # on the run's device, as are its samples' noise and labels
-            opts = run_sample_options(cfg.sample, cfg, p.world.device)
-            batches = generated(denoiser, p.shape, cfg.eval.num, opts, cfg.seed, p.num_classes,
-                                device=p.world.device)
-            record.update({k: v for k, v in self.evaluator(batches, denoiser).items() if isinstance(v, (int, float))})
+            sampler = sampler_of(p, plain)  # on the run's device, as are its samples' noise and labels
+            batches = generated(sampler, cfg.eval.num, device=p.world.device)
+            record.update({k: v for k, v in self.evaluator(batches, sampler.denoiser).items()
+                           if isinstance(v, (int, float))})
         self.log.write(record)
 
     def close(self) -> None:
