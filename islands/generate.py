@@ -119,6 +119,7 @@ class Sampler:
         return sample_labels(num, self.num_classes, class_label)
 
     def for_batch(self, seed: int):
+        """`generate`'s for_batch for the samples of `seed`'s stream: None but under ancestral routing."""
         return None if self.assignment is None else self.assignment(seed)
 
     def generate(self, num: int, labels: torch.Tensor | None = None, seed: int | None = None, first: int = 0,

@@ -73,7 +73,7 @@ class Objective(ABC):
     def prepare(self, net: torch.nn.Module) -> None:
         """Take from the (unwrapped) network what the objective needs before training: how it drops its condition
         (islands/nets/condition.py); a router also its prior."""
-        self.condition = getattr(net, "condition", None)
+        self.condition = net.condition
 
     def conditions(self, batch: Batch) -> torch.Tensor | None:
         """The batch's conditions as the network takes them (no dropout), or None for an unconditional network."""
