@@ -135,7 +135,7 @@ def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: b
     """The ensemble's sample grid and its metrics against the whole data set (ENSEMBLE/metrics.json)."""
     root = ensemble_dir(cfg)
     # ancestral: each sample keeps one expert, drawn by its own stream from p(cluster | class) or the cluster sizes
-    sampler = open_sampler(root, routing=routing)
+    sampler = open_sampler(root, cfg.sample.model_dump(), routing=routing, seed=cfg.seed)  # `cfg`'s, not the folder's
     mixture = sampler.denoiser
     source = whole_data(cfg)
     evaluator = Evaluator(source, cfg.eval, cfg.seed, progress)
@@ -147,13 +147,13 @@ def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: b
         # before the metrics call the mixture themselves
         sampling["evaluations"], sampling["router"] = mixture.evaluations, mixture.router_evaluations
 
-    batches = generated(sampler, cfg.eval.num, progress)
+    batches = generated(sampler, cfg.eval.num, progress, seed=cfg.seed)
     # the velocity error needs a field of (x, t); ancestral routing is one only along each sample's own path
     result = evaluator(counted(batches), None if mixture.routing.needs_assignment else mixture)
     result["seconds_per_sample"] = sampling["seconds"] / cfg.eval.num
     result["expert_evaluations_per_sample"] = sampling["evaluations"] / cfg.eval.num
     result["router_evaluations_per_sample"] = sampling["router"] / cfg.eval.num
-    grid = next(generated(sampler, min(64, cfg.sample.num)))[0]
+    grid = next(generated(sampler, min(64, cfg.sample.num), seed=cfg.seed))[0]
     save_samples_picture(grid, root / "samples" / f"{picture_name(routing)}.png", backdrop(source),
                          f"ensemble, {routing} routing")
     # the manifest's hash names the members and their checkpoints
@@ -169,11 +169,11 @@ def training_flops(run: Path) -> float:
 def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) -> dict:
     """The monolith evaluated exactly like the ensemble, a side-by-side grid and a table of both."""
     root, mono = ensemble_dir(cfg), monolith_config(cfg)
-    sampler = open_run(Path(mono.run_dir))  # its sample section is the ensemble's
+    sampler = open_run(Path(mono.run_dir), cfg.sample.model_dump())  # sampled as the ensemble was
     source = whole_data(cfg)
     clock, opts = {}, sampler.opts
     evaluator = Evaluator(source, cfg.eval, cfg.seed, progress)
-    monolith = evaluator(timed(generated(sampler, cfg.eval.num, progress), clock), sampler.denoiser)
+    monolith = evaluator(timed(generated(sampler, cfg.eval.num, progress, seed=cfg.seed), clock), sampler.denoiser)
     monolith["seconds_per_sample"] = clock["seconds"] / cfg.eval.num
     monolith["expert_evaluations_per_sample"] = evaluations_per_sample(
         cfg.sample.solver, cfg.sample.steps, cfg.sample.guidance if cfg.model.num_classes else 1.0)
@@ -183,7 +183,7 @@ def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) ->
     record(root / "metrics.json", entry_key(subject, evaluator, cfg.eval.num, opts), monolith)
     num = min(64, cfg.sample.num)
     grids = {f"ensemble ({DEFAULT_ROUTING})": root / "samples" / f"{picture_name(DEFAULT_ROUTING)}.png"}
-    mono_grid = next(generated(sampler, num))[0]
+    mono_grid = next(generated(sampler, num, seed=cfg.seed))[0]
     grids["monolith"] = save_samples_picture(mono_grid, root / "samples" / "monolith.png", backdrop(source))
     save_side_by_side(grids, root / "comparison.png", "the experts and the router together cost what the monolith "
                       "costs; the same noise for both")
