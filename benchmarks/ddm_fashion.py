@@ -36,12 +36,13 @@ from benchmarks.common import FIGURES, UNET, ensembles_at_equal_flops, measure, 
 from benchmarks.common import cached as cached_in
 from islands.config import validate
 from islands.data import build_data
-from islands.ddm.ensemble import ancestral_preparation, load_ensemble, read_manifest
+from islands.ddm.ensemble import read_manifest
 from islands.ddm.pipeline import ensemble_training_flops, sample_and_evaluate, training_flops, whole_data
 from islands.ddm.runs import distilled_dir, router_dir
+from islands.ddm.sampling import open_sampler
 from islands.eval.evaluate import Evaluator, evaluate_target, generated
 from islands.flow.samplers import evaluations_per_sample
-from islands.generate import load_denoiser
+from islands.generate import open_run
 from islands.images import save_samples_picture, save_side_by_side
 from islands.nets import build_network
 
@@ -117,28 +118,23 @@ def real_images(cfg, first: int = 0) -> dict:
 
 def monolith_grid(run: Path, out: Path) -> Path:
     """The monolith's 64 first samples: the same noise and labels as the ensembles' grids."""
-    denoiser, cfg, info = load_denoiser(run)
-    x = next(generated(denoiser, SHAPE, 64, cfg.sample, cfg.seed, info["num_classes"]))[0]
+    x = next(generated(open_run(run), 64))[0]
     return save_samples_picture(x, out)
 
 
 def monolith_fd_by_seed(mono_dir: Path) -> list[float]:
     """The FD of one network (the monolith, or the distilled student) sampled with the noise of each of SEEDS."""
-    denoiser, mono, info = load_denoiser(mono_dir)
-    evaluator = Evaluator(whole_data(mono), mono.eval, mono.seed)
-    return [evaluator(generated(denoiser, SHAPE, NUM, mono.sample, seed, info["num_classes"]))["fd"]
-            for seed in SEEDS]
+    sampler = open_run(mono_dir)
+    evaluator = Evaluator(whole_data(sampler.cfg), sampler.cfg.eval, sampler.cfg.seed)
+    return [evaluator(generated(sampler, NUM, seed=seed))["fd"] for seed in SEEDS]
 
 
 def ensemble_fd_by_seed(cfg, routing: str) -> list[float]:
     """The ensemble's FD under `routing`, sampled with the noise (and ancestral draws) of each of SEEDS."""
     evaluator, fds = Evaluator(whole_data(cfg), cfg.eval, cfg.seed), []
     for seed in SEEDS:
-        mixture, manifest = load_ensemble(Path(cfg.run_dir), routing, seed=seed)
-        opts = cfg.sample.model_copy(update={"batch_size": mixture.plan_sampling(cfg.sample.batch_size)})
-        batches = generated(mixture, SHAPE, NUM, opts, seed, cfg.model.num_classes,
-                            prepare=ancestral_preparation(mixture, manifest, seed))
-        fds.append(evaluator(batches)["fd"])
+        sampler = open_sampler(Path(cfg.run_dir), routing=routing, seed=seed)
+        fds.append(evaluator(generated(sampler, NUM, seed=seed))["fd"])
     return fds
 
 

@@ -30,7 +30,7 @@ from islands.data import build_data, data_name
 from islands.data.clusters import ClusterLabelled, read_clusters
 from islands.data.gmm import GaussianMixture
 from islands.data.posterior import exact_cluster_posterior
-from islands.ddm.ensemble import ancestral_preparation, load_ensemble
+from islands.ddm.ensemble import ancestral_assignment, load_ensemble
 from islands.ddm.pipeline import build_ensemble, training_flops
 from islands.ddm.runs import partition_dir, router_dir
 from islands.eval.exact import mode_mass
@@ -77,7 +77,7 @@ def mode_mass_error(root: Path, policy: str, router=None, samples: int = SAMPLES
         if router is not None:
             mixture.router = router
         x = generate(mixture, (2,), samples, cfg.sample, seed, None,
-                     prepare=ancestral_preparation(mixture, manifest, seed))
+                     for_batch=ancestral_assignment(mixture, manifest, seed))
         errors.append(mode_mass(gmm, x)["total_variation"])
     return sum(errors) / len(errors)
 

@@ -26,8 +26,8 @@ from benchmarks.common import save, setup, table
 from benchmarks.ddm_gmm import config
 from benchmarks.range_experts import gmm_raw, ranges
 from islands.config import validate
-from islands.ddm.ensemble import ancestral_preparation, load_ensemble
 from islands.ddm.pipeline import build_ensemble
+from islands.ddm.sampling import open_sampler
 from islands.ddm.time_gate import load_time_gate
 from islands.generate import generate
 
@@ -36,11 +36,9 @@ ROUTINGS = ("full", "top1")
 
 
 def one_process(root: Path, cfg, routing: str) -> tuple[np.ndarray, float]:
-    mixture, manifest = load_ensemble(root, routing, seed=cfg.seed)
-    opts = cfg.sample.model_copy(update={"batch_size": mixture.plan_sampling(cfg.sample.batch_size)})
+    sampler = open_sampler(root, routing=routing)
     start = time.perf_counter()
-    x = generate(mixture, (len(cfg.data.means[0]),), NUM, opts, cfg.seed, None,
-                 prepare=ancestral_preparation(mixture, manifest, cfg.seed))
+    x = sampler.generate(NUM)
     return x.numpy(), NUM / (time.perf_counter() - start)
 
 

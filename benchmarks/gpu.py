@@ -50,6 +50,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.common import RESULTS, median, save, table
 from islands.config import validate
+from islands.data.batch import Batch
 from islands.parallel.launch import World, free_port
 from islands.rundir import latest_checkpoint
 from islands.train.flops import flops_per_image
@@ -207,10 +208,10 @@ def islands_dit(sizes: Sizes, data: Path, run_dir: Path, batch: int, compiled: b
     with compile_backend(sizes.dry):
         parts = build_parts(cfg, World(device=device))
     x0, labels = parts.source.get(list(range(batch)))
-    positions = torch.arange(batch)
-    micro_batches = [(x0.to(device), labels.to(device), positions)]
+    micro_batches = [Batch(x0, labels, torch.arange(batch)).drawn(cfg.seed).to(device)]
     figures = throughput(lambda: optimizer_step(parts, micro_batches, cfg.train.lr), batch, device, sizes)
-    (x, t, cond), target = parts.objective.inputs_and_target(*micro_batches[0])
+    regression = parts.objective.regression(micro_batches[0])
+    (x, t, cond), target = regression.inputs, regression.target
     net = parts.net
     peer = dict(num_layers=len(net.blocks), num_attention_heads=net.blocks[0].attn.num_heads,
                 attention_head_dim=net.pos_embed.shape[-1] // net.blocks[0].attn.num_heads, in_channels=net.in_channels,

@@ -76,7 +76,7 @@ def _objective():
     from islands.config import validate
     from islands.train.objectives import build_objective
 
-    return build_objective(validate({"run_dir": ".", "model": DIT}), 10)
+    return build_objective(validate({"run_dir": ".", "model": DIT}))
 
 
 def _runs():
@@ -95,6 +95,7 @@ def one_process(threads: int) -> dict:
 
     torch.set_num_threads(threads)
     net, objective, saved = build_net(DIT), _objective(), SavedBytes()
+    objective.prepare(net)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     times = []
     for step in range(WARMUP + STEPS):
@@ -122,6 +123,7 @@ def rank_worker(schedule: str, virtual: int, microbatches: int, out: str) -> Non
                 "virtual_stages": virtual}
     strategy = build_strategy(validate({"run_dir": ".", "parallel": parallel}), world)
     net, objective, saved = build_net(DIT), _objective(), SavedBytes()
+    objective.prepare(net)
     strategy.wrap(net)
     opt = strategy.optimizer(net, lr=1e-4)
     busy, scheduled = [0.0], [0.0]

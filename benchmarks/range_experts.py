@@ -20,10 +20,9 @@ from benchmarks.ddm_fashion import config as fashion_config
 from benchmarks.ddm_gmm import config as gmm_config
 from islands.config import validate
 from islands.data import build_data
-from islands.ddm.time_gate import load_time_gate
+from islands.ddm.sampling import open_sampler
 from islands.eval.evaluate import Evaluator, generated
 from islands.flow.samplers import HEUN_T_MIN, evaluations_per_sample, time_grid, with_boundaries
-from islands.generate import load_denoiser
 from islands.parallel.launch import bf16_is_native
 from islands.trainer import train
 from islands.trainer.ranges import tstage_config
@@ -62,26 +61,24 @@ def ranges(cfg: dict, bounds: list, init_from: Path | None = None) -> Path:
     return Path(cfg["run_dir"])
 
 
-def evaluate(denoiser, cfg, shape: tuple, num_classes: int = 0) -> dict:
+def evaluate(sampler) -> dict:
+    cfg = sampler.cfg
     evaluator = Evaluator(build_data(cfg.data, cfg.seed), cfg.eval, cfg.seed)
-    batches = generated(denoiser, shape, cfg.eval.num, cfg.sample, cfg.seed, num_classes)
-    return evaluator(batches, denoiser)
+    return evaluator(generated(sampler, cfg.eval.num), sampler.denoiser)
 
 
 def compare(work: Path, raw, images: int, range_sets: dict, shape: tuple, num_classes: int) -> tuple[dict, dict]:
     """The one model, then every range set from scratch and from eDiff-I's half-budget base, all evaluated.
     -> (metrics by label, the bounds of each label's range set)."""
     one = train(validate(raw(work / "one", images)), progress=False)
-    denoiser, cfg, _ = load_denoiser(one)
-    found, runs = {"one model": evaluate(denoiser, cfg, shape, num_classes)}, {}
+    found, runs = {"one model": evaluate(open_sampler(one))}, {}
     base = train(validate(raw(work / "base", images // 2)), progress=False)
     for name, bounds in range_sets.items():
         r = len(bounds) - 1
         runs[f"{name}, from scratch"] = (ranges(raw(work / name, images // r), bounds), bounds)
         runs[f"{name}, eDiff-I"] = (ranges(raw(work / f"{name} init", images // 2 // r), bounds, base), bounds)
     for label, (run_dir, _) in runs.items():
-        gate, cfg, _ = load_time_gate(run_dir)
-        found[label] = evaluate(gate, cfg, shape, num_classes)
+        found[label] = evaluate(open_sampler(run_dir))
         print(f"  {label}: {', '.join(f'{k} {v:.3f}' for k, v in found[label].items() if k in ('nll', 'fd'))}",
               flush=True)
     return found, {label: bounds for label, (_, bounds) in runs.items()}

@@ -7,7 +7,7 @@ sample to the same expert, the worst split there is (ancestral routing's balance
 expert's weights are written to safetensors and loaded the way an ensemble loads them, on first use, inside the
 timed sampling. Settings: the demo's (K = 4, 400 samples in batches of 256, guidance 2, Heun 12 steps: 46 network
 evaluations per sample) and the table's (K = 8, one batch of 500 samples, no guidance, Heun 16 steps: 31). A
-mixture draws `Mixture.plan_sampling` samples at once, as `islands` does, so that each expert's calls hold about as
+mixture draws `Mixture.samples_at_once` samples at once, as `islands` does, so that each expert's calls hold about as
 many samples as the monolith's, and none more than the monolith's batch. Monolith, top-1 and ancestral routing
 alternate, three rounds, on a quiet machine; the median is reported, the mean and largest samples per network
 call, and for the mixtures the share of the time spent inside the experts, inside the router, and elsewhere
@@ -101,13 +101,13 @@ def run() -> dict:
                     experts = [Clock(None) for _ in range(k)]
                     slots = [ExpertSlot(f"expert{e}", loader(paths[e], experts[e])) for e in range(k)]
                     clocked_router = Clock(the_router)
-                    mixture = Mixture(slots, clocked_router, policy)
-                    prepare = None
+                    mixture = Mixture(slots, clocked_router, policy, call_batch=batch)
+                    for_batch = None
                     if policy == "ancestral":  # balanced clusters: every expert draws a K-th of the samples
-                        def prepare(lo, hi, _labels, mixture=mixture):
-                            mixture.assign(torch.arange(lo, hi) % k)
-                    wide = opts.model_copy(update={"batch_size": mixture.plan_sampling(batch)})  # as islands does
-                    s, _ = measure(f"{name} {policy}", lambda: timed(mixture, num, wide, labels, prepare))
+                        def for_batch(lo, hi, _labels, mixture=mixture):
+                            return mixture.assigned(torch.arange(lo, hi) % k)
+                    wide = opts.model_copy(update={"batch_size": mixture.samples_at_once(batch)})  # as islands does
+                    s, _ = measure(f"{name} {policy}", lambda: timed(mixture, num, wide, labels, for_batch))
                     seconds[policy].append(s)
                     inside = sum(c.seconds for c in experts)
                     shares[policy].append((inside / s, clocked_router.seconds / s))
@@ -141,7 +141,7 @@ def calls(sizes: list[int]) -> list[str]:
     return [f"{sum(sizes) / len(sizes):.0f}", str(max(sizes))]
 
 
-def timed(den, num: int, opts, labels, prepare=None) -> float:
+def timed(den, num: int, opts, labels, for_batch=None) -> float:
     start = time.perf_counter()
-    generate(den, SHAPE, num, opts, 0, labels, prepare=prepare)
+    generate(den, SHAPE, num, opts, 0, labels, for_batch=for_batch)
     return time.perf_counter() - start

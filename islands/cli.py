@@ -52,104 +52,56 @@ def _train(args) -> int:
     return 0
 
 
-def _sample_options(cfg, args):
-    """The run's sample section with the command line's options in place of its values, checked again, its "auto"
-    precision resolved for this run."""
-    from islands.config import revalidate
-    from islands.generate import run_sample_options
-
-    return run_sample_options(revalidate(cfg.sample, "sample", **{k: v for k, v in {
-        "steps": args.steps, "solver": args.solver, "grid": args.grid, "guidance": args.guidance,
-        "batch_size": args.batch_size, "precision": args.precision}.items() if v is not None}), cfg)
-
-
 def _sample(args) -> int:
     import torch
 
-    from islands.generate import generate, load_denoiser, sample_labels, write_samples
-
-    if (Path(args.run_dir) / "ensemble.json").exists():
-        return _sample_ensemble(args)
-    ranges = (Path(args.run_dir) / "tstages").is_dir()
-    if args.routing or args.max_loaded or (args.distributed and not ranges):
-        option = "--routing" if args.routing else "--max-loaded" if args.max_loaded else "--distributed"
-        raise ConfigError(f"{option}: {args.run_dir} is not an ensemble directory (no ensemble.json) nor a run of "
-                          "timestep-range experts (no tstages/)")
-    if ranges:  # timestep-range experts, gated by t
-        from islands.ddm.time_gate import load_time_gate
-
-        denoiser, cfg, info = load_time_gate(Path(args.run_dir), use_ema=not args.no_ema)
-    else:
-        denoiser, cfg, info = load_denoiser(Path(args.run_dir), use_ema=not args.no_ema)
-    opts = _sample_options(cfg, args)
-    _check_class(args.class_label, info["num_classes"])
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    labels = sample_labels(args.num, info["num_classes"], args.class_label)
-    seed = cfg.seed if args.seed is None else args.seed
-    if args.distributed:  # under torchrun: one range expert per rank, batches flowing from the noisiest range on
-        return _sample_distributed(args, denoiser, None, tuple(info["shape"]), opts, seed, labels)
-    x = generate(denoiser, tuple(info["shape"]), args.num, opts, seed, labels, progress=not args.quiet)
-    for path in write_samples(x, labels, Path(args.out)):
-        print(f"wrote {path}")
-    return 0
-
-
-def _check_class(label: int | None, num_classes: int) -> None:
-    if label is not None and not 0 <= label < max(num_classes, 1):
-        raise ConfigError(f"--class: {label} is not a class of this model ({num_classes} classes)")
-
-
-def _sample_ensemble(args) -> int:
-    import torch
-
-    from islands.ddm.ensemble import ancestral_preparation, load_ensemble
-    from islands.ddm.mixture import DEFAULT_ROUTING, parse_routing
+    from islands.ddm.mixture import DEFAULT_ROUTING
+    from islands.ddm.sampling import open_sampler
     from islands.flow.samplers import evaluations_per_sample
-    from islands.generate import generate, sample_labels, write_samples
+    from islands.generate import write_samples
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        parse_routing(args.routing or DEFAULT_ROUTING)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    cfg = load_config(Path(args.run_dir) / "config.yaml")
-    mixture, manifest = load_ensemble(Path(args.run_dir), args.routing or DEFAULT_ROUTING, args.max_loaded, cfg.seed)
-    shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)  # load_ensemble ensured one
-    num_classes = cfg.model.num_classes
-    _check_class(args.class_label, num_classes)
-    opts = _sample_options(cfg, args)
-    opts = opts.model_copy(update={"batch_size": mixture.plan_sampling(opts.batch_size)})
-    seed = cfg.seed if args.seed is None else args.seed
-    labels = sample_labels(args.num, num_classes, args.class_label)
-    if args.distributed:  # under torchrun: each rank holds some of the experts
-        return _sample_distributed(args, mixture, manifest, shape, opts, seed, labels)
-    prepare = ancestral_preparation(mixture, manifest, seed)
-    x = generate(mixture, shape, args.num, opts, seed, labels, progress=not args.quiet, prepare=prepare)
+    options = {"steps": args.steps, "solver": args.solver, "grid": args.grid, "guidance": args.guidance,
+               "batch_size": args.batch_size, "precision": args.precision}
+    run_dir = Path(args.run_dir)
+    if args.distributed and not ((run_dir / "ensemble.json").exists() or (run_dir / "tstages").is_dir()):
+        raise ConfigError(f"--distributed: {run_dir} is not an ensemble directory (no ensemble.json) nor a run of "
+                          "timestep-range experts (no tstages/)")
+    sampler = open_sampler(run_dir, options, use_ema=not args.no_ema, routing=args.routing,
+                           max_loaded=args.max_loaded)
+    labels = sampler.labels(args.num, args.class_label)
+    seed = sampler.cfg.seed if args.seed is None else args.seed
+    if args.distributed:  # under torchrun: each rank holds some of the experts, or one range expert
+        return _sample_distributed(args, sampler, seed, labels)
+    x = sampler.generate(args.num, labels, seed, progress=not args.quiet)
     for path in write_samples(x, labels, Path(args.out)):
         print(f"wrote {path}")
-    one_model = evaluations_per_sample(opts.solver, opts.steps, opts.guidance if labels is not None else 1.0)
-    print(f"expert evaluations per sample: {mixture.evaluations / args.num:.1f} "
-          f"({args.routing or DEFAULT_ROUTING} routing; one model would take {one_model})")
+    if sampler.manifest is not None:
+        opts = sampler.opts
+        one_model = evaluations_per_sample(opts.solver, opts.steps, opts.guidance if labels is not None else 1.0)
+        print(f"expert evaluations per sample: {sampler.denoiser.evaluations / args.num:.1f} "
+              f"({args.routing or DEFAULT_ROUTING} routing; one model would take {one_model})")
     return 0
 
 
-def _sample_distributed(args, mixture, manifest, shape, opts, seed, labels) -> int:
+def _sample_distributed(args, sampler, seed, labels) -> int:
     from islands.ddm.expert_parallel import sample_distributed, sample_range_pipeline
     from islands.generate import write_samples
     from islands.parallel.launch import close_world, init_world
 
     world = init_world()
     try:
-        if manifest is None:  # timestep-range experts (`mixture` is their gate)
-            x, stats = sample_range_pipeline(mixture, shape, args.num, opts, seed, labels, world)
+        if sampler.manifest is None:  # timestep-range experts behind their gate
+            x, stats = sample_range_pipeline(sampler.denoiser, sampler.shape, args.num, sampler.opts, seed, labels,
+                                             world)
         else:
-            x, stats = sample_distributed(mixture, manifest, shape, args.num, opts, seed, labels, world)
+            x, stats = sample_distributed(sampler.denoiser, sampler.manifest, sampler.shape, args.num, sampler.opts,
+                                          seed, labels, world)
     finally:
         close_world()
     if world.is_main:
-        for path in write_samples(x, labels, Path(args.out)):
+        for path in write_samples(sampler.space.decode(x), labels, Path(args.out)):
             print(f"wrote {path}")
         evaluations = (f", {stats['expert_evaluations_per_sample']:.1f} expert evaluations per sample"
                        if "expert_evaluations_per_sample" in stats else "")

@@ -1,11 +1,18 @@
 """From a run directory to samples: load the denoiser, draw per-sample-seeded noise, integrate.
 
+A `Sampler` is what every caller samples from (`islands sample`, `islands eval`, the trainer's reporters, `islands
+ddm`, the benchmarks): a denoiser with the shape of one example, its condition, its sample options resolved and, for
+an ensemble under ancestral routing, how each batch's samples are assigned their experts. `open_run` opens a run
+directory; islands.ddm.sampling.open_sampler opens any run, a run of timestep-range experts or an ensemble.
+
 Sample i always starts from the noise keyed on (seed, i), so the same seed gives the same sample
 whatever the batch size or the number of samples asked for.
 """
 
 import contextlib
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +20,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
-from islands.config import Config, SampleConfig
+from islands.config import Config, SampleConfig, revalidate
 from islands.data import streams
-from islands.errors import CheckpointError, IslandsWarning
+from islands.data.space import PIXELS, DataSpace
+from islands.errors import CheckpointError, ConfigError, IslandsWarning
 from islands.flow.denoiser import Denoiser, NetworkDenoiser
 from islands.flow.paths import build_path
 from islands.flow.samplers import sample
@@ -84,6 +92,52 @@ def run_sample_options(opts: SampleConfig, cfg: Config, device: torch.device | s
     return opts.model_copy(update={"precision": resolve_precision(opts.precision, cfg.train.precision, device)})
 
 
+def sample_options(cfg: Config, options: dict | None = None, device: torch.device | str = "cpu") -> SampleConfig:
+    """The run's sample section with `options` (those not None) in place of its values, checked again, its "auto"
+    precision resolved for sampling on `device`."""
+    given = {k: v for k, v in (options or {}).items() if v is not None}
+    return run_sample_options(revalidate(cfg.sample, "sample", **given) if given else cfg.sample, cfg, device)
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """A run, a run of timestep-range experts or an ensemble, opened for sampling."""
+
+    denoiser: Denoiser
+    cfg: Config  # the run's (or the ensemble's) resolved config
+    shape: tuple  # of one example
+    num_classes: int  # the condition: a class in [0, num_classes); 0: unconditional
+    opts: SampleConfig  # resolved; batch_size is how many samples are drawn at once
+    assignment: Callable[[int], Callable] | None = None  # seed -> `generate`'s for_batch (ancestral routing)
+    manifest: dict | None = None  # an ensemble's
+    space: DataSpace = PIXELS  # where the samples go back to the data's own space
+
+    def labels(self, num: int, class_label: int | None = None) -> torch.Tensor | None:
+        """The conditions of `num` samples: every class in turn, or `class_label` alone; None if unconditional."""
+        if class_label is not None and not 0 <= class_label < max(self.num_classes, 1):
+            raise ConfigError(f"--class: {class_label} is not a class of this model ({self.num_classes} classes)")
+        return sample_labels(num, self.num_classes, class_label)
+
+    def for_batch(self, seed: int):
+        """`generate`'s for_batch for the samples of `seed`'s stream: None but under ancestral routing."""
+        return None if self.assignment is None else self.assignment(seed)
+
+    def generate(self, num: int, labels: torch.Tensor | None = None, seed: int | None = None, first: int = 0,
+                 progress: bool = False, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Samples first .. first + num - 1 of the stream keyed on `seed` (the run's by default), in the data's own
+        space."""
+        seed = self.cfg.seed if seed is None else seed
+        return self.space.decode(generate(self.denoiser, self.shape, num, self.opts, seed, labels, first, progress,
+                                          device, self.for_batch(seed)))
+
+
+def open_run(run_dir: Path, options: dict | None = None, use_ema: bool = True,
+             device: torch.device | str = "cpu") -> Sampler:
+    """A run directory's latest checkpoint opened for sampling, with `options` in place of its sample section's."""
+    denoiser, cfg, info = load_denoiser(Path(run_dir), use_ema)
+    return Sampler(denoiser, cfg, tuple(info["shape"]), info["num_classes"], sample_options(cfg, options, device))
+
+
 def sampling_precision(precision: str, device: torch.device):
     """bf16 autocast for the networks' convolutions and matmuls; the solver's state and arithmetic stay float32,
     since every Denoiser returns its velocity in the dtype of x. An "auto" that no run resolved is fp32."""
@@ -95,10 +149,10 @@ def sampling_precision(precision: str, device: torch.device):
 @torch.no_grad()
 def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleConfig, seed: int,
              labels: torch.Tensor | None = None, first: int = 0, progress: bool = False,
-             device: torch.device | str = "cpu", prepare=None) -> torch.Tensor:
+             device: torch.device | str = "cpu", for_batch=None) -> torch.Tensor:
     """Samples first .. first + num - 1 of the stream keyed on `seed`, in batches of opts.batch_size.
-    `prepare(lo, hi, labels)`, if given, is called before the samples lo .. hi - 1 are drawn, with their labels
-    (e.g. to fix each sample's expert for oracle routing)."""
+    `for_batch(lo, hi, labels)`, if given, is the denoiser that draws the samples lo .. hi - 1, given their labels
+    (the mixture with each sample's ancestral expert assigned)."""
     launch.warn_if_bf16_is_slow("sample.precision", opts.precision, device)
     out = []
     bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
@@ -106,10 +160,9 @@ def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleC
         hi = min(num, lo + opts.batch_size)
         noise = streams.normal(seed, list(range(first + lo, first + hi)), shape, "sample").to(device)
         cond = None if labels is None else labels[lo:hi].to(device)
-        if prepare is not None:
-            prepare(first + lo, first + hi, cond)
+        drawing = denoiser if for_batch is None else for_batch(first + lo, first + hi, cond)
         with sampling_precision(opts.precision, noise.device):
-            x = sample(denoiser, noise, steps=opts.steps, solver=opts.solver, grid=opts.grid,
+            x = sample(drawing, noise, steps=opts.steps, solver=opts.solver, grid=opts.grid,
                        guidance=opts.guidance, cond=cond)
         out.append(x.float().cpu())
         bar.update(hi - lo)

@@ -16,7 +16,7 @@ from fake_gpu import DEVICE, FakeGpuMode
 from islands.config import SampleConfig, validate
 from islands.data.batch import Batch
 from islands.data.posterior import ExactPosterior
-from islands.ddm.ensemble import LearnedRouter, ancestral_preparation
+from islands.ddm.ensemble import LearnedRouter, ancestral_assignment
 from islands.ddm.expert_parallel import ExpertParallelMixture
 from islands.ddm.mixture import ExpertSlot, Mixture
 from islands.ddm.time_gate import TimeGate
@@ -164,11 +164,12 @@ def step(net: torch.nn.Module, loss: torch.Tensor) -> None:
                                                        ("vp_discrete", "epsilon", "uniform")])
 def test_the_diffusion_objective_on_every_path(path, prediction, sampler):
     flow = {"path": path, "prediction": prediction, "time_sampler": sampler, "t_range": [0.1, 0.9]}
-    objective = build_objective(validate({"run_dir": ".", "flow": flow, "train": {"label_dropout": 0.5}}), 2)
+    objective = build_objective(validate({"run_dir": ".", "flow": flow, "train": {"label_dropout": 0.5}}))
     net, batch = mlp(), vectors()
+    objective.prepare(net)
     step(net, objective(net, batch))
     step(net, objective(net, replace_draws(batch)))  # drawn by the objective itself, as a probe's batch is
-    assert len(objective.validation_loss(net, batch.x, batch.labels, 2)) == 2
+    assert len(objective.validation_loss(net, batch, 2)) == 2
     sample(objective.denoiser(net), torch.randn(4, 2, device=DEVICE), steps=2, solver="heun",
            cond=torch.arange(4, device=DEVICE) % 2, guidance=2.0)
 
@@ -188,15 +189,15 @@ def router_net(shape: tuple = (2,), classes: int = 2, k: int = 2) -> torch.nn.Mo
 @pytest.mark.parametrize("shape", [(2,), (1, 8, 8)])
 def test_the_router_objective_and_its_report(shape):
     k, classes, n = 2, 2, 16
-    objective = RouterObjective(seed=3, clusters=k, num_classes=classes, label_dropout=0.5,
+    objective = RouterObjective(seed=3, clusters=k, label_dropout=0.5,
                                 prior=torch.tensor([[0.7, 0.3], [0.2, 0.8], [0.5, 0.5]]))
     net = router_net(shape, classes, k)
     objective.prepare(net)
     data, labels = torch.randn(n, *shape, generator=torch.Generator().manual_seed(1)), torch.arange(n) % (classes * k)
-    batch = Batch(data, labels, torch.arange(n)).drawn(seed=3).to(DEVICE)  # labels class * K + cluster
+    batch = Batch(data, labels // k, torch.arange(n), cluster=labels % k).drawn(seed=3).to(DEVICE)
     step(net, objective(net, batch))
     exact = ExactPosterior(data, labels % k, k, labels // k, classes)
-    report = objective.report_by_t(net, data.to(DEVICE), labels.to(DEVICE), exact)
+    report = objective.report_by_t(net, batch, exact)
     assert len(report["accuracy"]) == 10 and "tv" in report
 
 
@@ -208,10 +209,12 @@ def experts(count: int = 2) -> list:
 @pytest.mark.parametrize("teacher", ["ancestral", "full"])
 def test_the_distillation_objective_with_a_mixture_teacher(teacher):
     mixture = Mixture(experts(), LearnedRouter(router_net()), routing=teacher)
-    objective = DistillObjective(build_path("rectified_flow"), "velocity", TimeSampler(), seed=3, num_classes=2,
-                                 label_dropout=0.5, teacher=mixture, clusters=2)
+    objective = DistillObjective(build_path("rectified_flow"), "velocity", TimeSampler(), seed=3, label_dropout=0.5,
+                                 teacher=mixture)
     net = mlp()
-    step(net, objective(net, vectors(classes=4)))
+    objective.prepare(net)
+    batch = vectors()
+    step(net, objective(net, replace(batch, cluster=batch.positions % 2)))
 
 
 @pytest.mark.parametrize("solver", ["euler", "heun", "dpm2m", "unipc"])
@@ -224,11 +227,11 @@ def test_every_solver_samples_on_the_device(solver):
 @pytest.mark.parametrize("routing", ["ancestral", "top1", "topk:2", "full", "nucleus:0.9", "sample",
                                      "ancestral_then:topk:1@0.5"])
 def test_a_routed_mixture_samples_on_the_device(routing):
-    mixture = Mixture(experts(), LearnedRouter(router_net()), routing=routing, seed=2)
+    mixture = Mixture(experts(), LearnedRouter(router_net()), routing=routing, seed=2, call_batch=4)
     manifest = {"prior": [0.5, 0.5], "prior_by_class": [[0.9, 0.1], [0.2, 0.8]]}
-    opts = SampleConfig(steps=2, solver="heun", guidance=2.0, batch_size=mixture.plan_sampling(4))
+    opts = SampleConfig(steps=2, solver="heun", guidance=2.0, batch_size=mixture.samples_at_once(4))
     generate(mixture, (2,), 6, opts, seed=1, labels=torch.arange(6) % 2, device=DEVICE,
-             prepare=ancestral_preparation(mixture, manifest, seed=1))
+             for_batch=ancestral_assignment(mixture, manifest, seed=1))
     assert mixture.evaluations > 0
 
 

@@ -23,7 +23,8 @@ from islands.ddm.ensemble import file_sha256, load_ensemble, read_manifest, writ
 from islands.ddm.partition import Partition
 from islands.ddm.pipeline import sample_and_evaluate
 from islands.ddm.runs import expert_config, router_config
-from islands.errors import CheckpointError, IslandsWarning
+from islands.ddm.sampling import open_sampler
+from islands.errors import CheckpointError, ConfigError, IslandsWarning
 from islands.rundir import latest_checkpoint, read_state
 
 MEANS = [[2.0, 2.0], [-2.0, 2.0], [-2.0, -2.0], [2.0, -2.0]]
@@ -63,6 +64,21 @@ def ensemble(tmp_path_factory):
                  "--quiet"]) == 0
     assert main(["ddm", str(path), *overrides, "--jobs", "2", "--quiet"]) == 0
     return validate(ddm_config(root / "ensemble")), root / "ensemble"
+
+
+def test_one_opening_serves_an_ensemble_and_its_members(ensemble):
+    """open_sampler: an ensemble's experts are called with one model's batch (sample.batch_size) and never more, so
+    a one-expert policy draws K batches at once; a member opens as a plain run, which takes no routing; ancestral
+    samples do not depend on how many are drawn at once."""
+    cfg, root = ensemble
+    routed = open_sampler(root, routing="top1")
+    assert routed.denoiser.call_batch == cfg.sample.batch_size and routed.opts.batch_size == 4 * cfg.sample.batch_size
+    member = open_sampler(root / "experts" / "0")
+    assert member.manifest is None and member.shape == routed.shape == (2,)
+    with pytest.raises(ConfigError, match="--routing"):
+        open_sampler(root / "experts" / "0", routing="top1")
+    narrow, wide = open_sampler(root, {"batch_size": 3, "steps": 4}), open_sampler(root, {"steps": 4})
+    assert torch.equal(narrow.generate(10), wide.generate(10))
 
 
 def test_every_member_trains_on_the_config_the_ensemble_was_built_from(ensemble):

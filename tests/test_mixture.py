@@ -8,7 +8,7 @@ import torch
 
 from islands.config import SampleConfig
 from islands.data.gmm import GaussianMixture
-from islands.ddm.ensemble import ancestral_clusters, ancestral_preparation
+from islands.ddm.ensemble import ancestral_assignment, ancestral_clusters
 from islands.ddm.mixture import ExpertSlot, Mixture, PriorRouter, Routing, parse_routing
 from islands.flow.samplers import evaluations_per_sample, guided, sample
 from islands.generate import generate
@@ -163,12 +163,25 @@ def test_one_hot_router_gives_the_selected_expert(routing):
     labels = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(2))
     slots, _, _ = eager_slots()
     mixture = Mixture(slots, table_router(torch.nn.functional.one_hot(labels, 4).double()), routing=routing)
-    if mixture.routing.needs_assignment:
-        mixture.assign(labels)
+    field = mixture.assigned(labels) if mixture.routing.needs_assignment else mixture
     x, t = torch.randn(64, 2, dtype=torch.float64), torch.rand(64, dtype=torch.float64)
     expected = exact_components(x, t)[torch.arange(64), labels]
-    assert torch.allclose(mixture(x, t), expected, atol=1e-12)
+    assert torch.allclose(field(x, t), expected, atol=1e-12)
     assert mixture.evaluations == 64 and mixture.calls_per_sample(64) == 1.0
+
+
+def test_an_assignment_belongs_to_its_batch_not_to_the_mixture():
+    """Ancestral routing's experts travel with the batch they were drawn for (`Mixture.assigned`): two batches
+    assigned differently, called in turns, each keep their own experts; the mixture itself keeps no assignment."""
+    mixture = Mixture(eager_slots()[0], None, routing="ancestral")
+    x, t = noisy_points(4, seed=12)
+    first, second = torch.tensor([0, 1, 2, 3]), torch.tensor([3, 3, 1, 0])
+    one, other = mixture.assigned(first), mixture.assigned(second)
+    components = exact_components(x, t)
+    for field, clusters in [(one, first), (other, second), (one, first)]:
+        assert torch.equal(field(x, t), components[torch.arange(4), clusters])
+    with pytest.raises(RuntimeError, match="assigned"):
+        mixture(x, t)
 
 
 @pytest.mark.parametrize("routing", ["top1", "full"])
@@ -234,7 +247,7 @@ def test_missing_expert_is_routed_around_with_one_warning():
 
     ancestral = Mixture(slots, None, routing="ancestral")
     with pytest.raises(ValueError, match="expert1"):
-        ancestral.assign(torch.tensor([0, 1, 2, 3]))
+        ancestral.assigned(torch.tensor([0, 1, 2, 3]))
 
 
 def test_no_available_expert_is_an_error():
@@ -256,9 +269,7 @@ def test_sampling_with_exact_experts_covers_every_mode(routing):
     mixture = Mixture(slots, exact_router, routing=routing)
     counts = (torch.tensor(WEIGHTS) * n).round().long()
     clusters = torch.repeat_interleave(torch.arange(4), counts)
-    if routing == "ancestral":
-        mixture.assign(clusters)
-    x = sample(mixture, noise, steps=steps, solver="heun")
+    x = sample(mixture.assigned(clusters) if routing == "ancestral" else mixture, noise, steps=steps, solver="heun")
     modes, masses = _mode_masses(x)
     assert (masses > 0).all(), masses
     if routing == "full":
@@ -282,17 +293,15 @@ def test_ancestral_then_topk_switches_to_the_router_at_its_time():
     slots, _, _ = eager_slots()
     mixture = Mixture(slots, table_router(PROBS), routing="ancestral_then:topk:2@0.4")
     assigned = torch.tensor([3, 3, 0, 1, 2])
-    mixture.assign(assigned)
     x = torch.randn(5, 2, dtype=torch.float64)
     components = exact_components(x, torch.full((5,), 0.5, dtype=torch.float64))
-    early = mixture(x, torch.full((5,), 0.5, dtype=torch.float64))
+    early = mixture.assigned(assigned)(x, torch.full((5,), 0.5, dtype=torch.float64))
     assert torch.equal(early, components[torch.arange(5), assigned])
     # samples 1, 2 and 4 are past the switch: the router is asked about them alone
     t = torch.tensor([0.41, 0.4, 0.3, 0.9, 0.1], dtype=torch.float64)
     table = Mixture(slots, table_router(PROBS[[1, 2, 4]]), routing="topk:2")(x[[1, 2, 4]], t[[1, 2, 4]])
     hybrid = Mixture(slots, table_router(PROBS[[1, 2, 4]]), routing="ancestral_then:topk:2@0.4")
-    hybrid.assign(assigned)
-    out = hybrid(x, t)
+    out = hybrid.assigned(assigned)(x, t)
     own = exact_components(x, t)[torch.arange(5), assigned]
     assert torch.equal(out[[0, 3]], own[[0, 3]]) and torch.allclose(out[[1, 2, 4]], table, atol=1e-12)
 
@@ -306,9 +315,8 @@ def test_ancestral_sampling_of_exact_experts_reproduces_unequal_mode_masses(cond
     labels = torch.arange(n) % 2 if conditional else None
     clusters = ancestral_clusters(manifest, seed=3, first=0, num=n, labels=labels)
     mixture = Mixture(eager_slots()[0], None, routing="ancestral")
-    mixture.assign(clusters)
     noise = torch.randn(n, 2, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    modes, _ = _mode_masses(sample(mixture, noise, steps=steps, solver="heun"))
+    modes, _ = _mode_masses(sample(mixture.assigned(clusters), noise, steps=steps, solver="heun"))
     groups = [(labels == c, torch.tensor(manifest["prior_by_class"][c])) for c in range(2)] if conditional else \
         [(torch.ones(n, dtype=torch.bool), DATA.weights)]
     for rows, weights in groups:
@@ -364,16 +372,15 @@ def test_misuse_is_reported():
     with pytest.raises(ValueError, match="needs a router"):
         Mixture(slots, None, routing="top1")
     with pytest.raises(ValueError, match="ancestral"):
-        Mixture(slots, exact_router, routing="top1").assign(torch.tensor([0, 1]))
+        Mixture(slots, exact_router, routing="top1").assigned(torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="needs a router"):
         Mixture(slots, None, routing="ancestral_then:top1@0.5")
     ancestral = Mixture(slots, None, routing="ancestral")
     x, t = torch.randn(4, 2, dtype=torch.float64), torch.rand(4, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="assign"):
+    with pytest.raises(RuntimeError, match="assigned"):
         ancestral(x, t)
-    ancestral.assign(torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="batch of 4"):
-        ancestral(x, t)
+        ancestral.assigned(torch.tensor([0, 1, 2]))(x, t)
     with pytest.raises(ValueError, match="shape"):
         Mixture(slots, table_router(PROBS[:, :3]), routing="full")(x, t)
 
@@ -403,17 +410,17 @@ def test_a_routed_batch_is_drawn_wide_enough_for_each_expert_to_get_one_models_c
     expert's calls hold about one model's batch; under full and nucleus routing every expert may see every sample.
     K counts the available experts."""
     slots = eager_slots()[0]
-    widths = {policy: Mixture(slots, exact_router, policy).plan_sampling(64)
+    widths = {policy: Mixture(slots, exact_router, policy).samples_at_once(64)
               for policy in ("ancestral", "top1", "sample", "topk:2", "ancestral_then:topk:2@0.3", "full",
                              "nucleus:0.9")}
     assert widths == {"ancestral": 256, "top1": 256, "sample": 256, "topk:2": 128, "ancestral_then:topk:2@0.3": 128,
                       "full": 64, "nucleus:0.9": 64}
-    assert Mixture(eager_slots(missing=(1,))[0], exact_router, "top1").plan_sampling(64) == 192
+    assert Mixture(eager_slots(missing=(1,))[0], exact_router, "top1").samples_at_once(64) == 192
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.5])
 def test_no_expert_call_holds_more_than_one_models_batch_whatever_the_router_sends_it(scale):
-    """A router that sends all 8 samples of a wide batch to one expert: under plan_sampling(3) the expert runs them
+    """A router that sends all 8 samples of a wide batch to one expert: with call_batch=3 the expert runs them
     in equal calls of at most 3 (3 + 3 + 2), and the velocity is the one uncapped calls give."""
     one_hot = torch.zeros(8, 4, dtype=torch.float64)
     one_hot[:, 2] = 1.0
@@ -423,9 +430,9 @@ def test_no_expert_call_holds_more_than_one_models_batch_whatever_the_router_sen
     for cap in (None, 3):
         experts = [GuidedExpert(k) for k in range(4)]
         slots = [ExpertSlot(NAMES[k], lambda k=k, experts=experts: experts[k]) for k in range(4)]
-        mixture = Mixture(slots, table_router(one_hot), "top1")
+        mixture = Mixture(slots, table_router(one_hot), "top1", call_batch=cap)
         if cap is not None:
-            assert mixture.plan_sampling(cap) == 12  # K batches of 3 drawn at once
+            assert mixture.samples_at_once(cap) == 12  # K batches of 3 drawn at once
         outputs.append(guided(mixture, scale)(x, t, labels))
         calls.append([seen.shape[0] for seen in experts[2].inputs])
     halves = 2 if scale != 1.0 else 1
@@ -435,13 +442,13 @@ def test_no_expert_call_holds_more_than_one_models_batch_whatever_the_router_sen
 
 def test_ancestral_samples_do_not_depend_on_how_many_are_drawn_at_once():
     """Each sample's noise and expert come from its own stream, so drawing 40 samples 7 or 40 at a time (or as
-    wide as plan_sampling makes it) gives the same samples exactly."""
+    wide as samples_at_once makes it) gives the same samples exactly."""
     samples = []
     for batch in (7, 40, 160):
         mixture = Mixture(eager_slots()[0], None, routing="ancestral")
         opts = SampleConfig(steps=6, solver="heun", batch_size=batch)
         samples.append(generate(mixture, (2,), 40, opts, 5, None,
-                                prepare=ancestral_preparation(mixture, {"prior": WEIGHTS}, 5)))
+                                for_batch=ancestral_assignment(mixture, {"prior": WEIGHTS}, 5)))
     assert torch.equal(samples[0], samples[1]) and torch.equal(samples[1], samples[2])
     assert samples[0].std() > 0.5  # samples, not a constant
 
@@ -494,10 +501,14 @@ def test_ancestral_guidance_inside_each_expert_is_guidance_of_the_mixture_to_the
     samples = []
     for inside in (True, False):
         mixture = Mixture([ExpertSlot(NAMES[k], lambda k=k: GuidedExpert(k)) for k in range(4)], None, "ancestral")
-        field = mixture if inside else (lambda x, t, cond=None, m=mixture: m(x, t, cond))  # no `guided` to find
+        assign = ancestral_assignment(mixture, {"prior": WEIGHTS}, 5)
+
+        def for_batch(lo, hi, cond, inside=inside, assign=assign):
+            field = assign(lo, hi, cond)
+            return field if inside else (lambda x, t, c=None: field(x, t, c))  # no `guided` to find
+
         opts = SampleConfig(steps=6, solver="heun", batch_size=40, guidance=3.0)
-        samples.append(generate(field, (2,), 40, opts, 5, labels,
-                                prepare=ancestral_preparation(mixture, {"prior": WEIGHTS}, 5)))
+        samples.append(generate(mixture, (2,), 40, opts, 5, labels, for_batch=for_batch))
     assert torch.equal(samples[0], samples[1]) and samples[0].std() > 0.5
 
 
@@ -516,10 +527,9 @@ def test_experts_spread_over_ranks_guide_inside_each_expert_as_one_process_does(
         outputs = []
         for spread in (False, True):
             experts = [GuidedExpert(k) for k in range(4)]
+            # spread, and in calls of at most 2 samples, which changes nothing but the calls
             mixture = Mixture([ExpertSlot(NAMES[k], lambda k=k, experts=experts: experts[k]) for k in range(4)],
-                              label_aware_router, "topk:2")
-            if spread:  # and in calls of at most 2 samples, which changes nothing but the calls
-                mixture.plan_sampling(2)
+                              label_aware_router, "topk:2", call_batch=2 if spread else None)
             field = ExpertParallelMixture(mixture, World()) if spread else mixture
             outputs.append(guided(field, 2.5)(x, t, labels))
         assert torch.equal(outputs[0], outputs[1])

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
+from islands.nets.condition import ClassCondition
 from islands.nets.dit import DIT_PRESETS, DiT
-from islands.nets.layers import labels_or_null, timestep_embedding
+from islands.nets.layers import timestep_embedding
 from islands.nets.mlp import MLP
 from islands.nets.unet import UNet
 
@@ -95,10 +96,11 @@ def test_time_changes_output():
     assert not torch.allclose(model(x, torch.zeros(2)), model(x, torch.ones(2)))
 
 
-def test_labels_or_null():
-    cond = torch.tensor([1, 2])
-    assert labels_or_null(cond, 2, 10, "cpu") is cond
-    assert labels_or_null(None, 3, 10, "cpu").tolist() == [10, 10, 10]
+def test_a_class_condition_is_none_where_absent_or_dropped():
+    condition, cond = ClassCondition(10, 4), torch.tensor([1, 2])
+    assert condition.or_null(cond, 2, "cpu") is cond
+    assert condition.or_null(None, 3, "cpu").tolist() == [10, 10, 10]
+    assert condition.drop(cond, torch.tensor([True, False])).tolist() == [10, 2]
 
 
 def test_timestep_embedding_scales_t():

@@ -665,7 +665,9 @@ def test_a_loss_non_finite_on_one_rank_only_skips_the_step_on_both_and_max_nonfi
     batch = next(itertools.islice(stream_loader(source, 32, seed, rank=1, world=2), 2, None))
     torch.manual_seed(seed)
     net = build_network(cfg.model, (2,), 3)
-    loss = build_objective(cfg, 3)(net, batch).mean()
+    objective = build_objective(cfg)
+    objective.prepare(net)
+    loss = objective(net, batch).mean()
     loss.backward()
     assert not torch.isfinite(loss) and torch.isfinite(torch.nn.utils.clip_grad_norm_(net.parameters(), math.inf))
 

@@ -176,7 +176,7 @@ def test_training_on_the_discrete_schedule_draws_integer_steps(kind):
         seen.append(tau.clone())
         return torch.zeros_like(x)
 
-    objective = build_objective(cfg, num_classes=0)
+    objective = build_objective(cfg)
     count = 4000
     objective(net, Batch(torch.zeros(count, 2), torch.zeros(count, dtype=torch.long), torch.arange(count)))
     steps = seen[0].double() * 10

@@ -109,3 +109,21 @@ def test_the_prior_table_comes_from_the_partition(tmp_path):
         read_prior_table(tmp_path, 2)
     with pytest.raises(DataError, match="partition.json"):
         read_prior_table(tmp_path / "absent", 2)
+
+
+def test_a_router_batch_carries_the_class_as_its_condition_and_the_cluster_beside_it():
+    """Through a partition, the loader's batch holds each example's own class (what the networks embed) and its
+    cluster in a field of its own, read from the partition's assignment of the example at its index: no label
+    packs the two into one integer."""
+    from islands.data.clusters import ClusterLabelled
+    from islands.data.loader import stream_loader
+    from islands.data.sources import _ArraySource
+
+    x = torch.arange(12, dtype=torch.float32).reshape(12, 1)  # each example's value is its index
+    classes, clusters = torch.arange(12) % 3, (torch.arange(12) * 7) % 4
+    source = ClusterLabelled(_ArraySource(x, classes, 3), clusters.numpy())
+    batch = next(iter(stream_loader(source, 6, seed=0)))
+    index = batch.x[:, 0].long()
+    assert torch.equal(batch.condition, classes[index]) and torch.equal(batch.cluster, clusters[index])
+    rows = batch.rows(torch.tensor([4, 1]))
+    assert torch.equal(rows.cluster, batch.cluster[[4, 1]]) and torch.equal(rows.positions, batch.positions[[4, 1]])

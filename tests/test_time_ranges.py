@@ -139,9 +139,8 @@ def test_a_cluster_by_range_grid_samples_every_mode_and_every_policy_works(tmp_p
         mixture, manifest = load_ensemble(tmp_path / "grid", routing, seed=1)
         assert mixture.time_boundaries == [0.5]
         noise = torch.randn(4000, 2, generator=torch.Generator().manual_seed(2))
-        if routing == "ancestral":
-            mixture.assign(ancestral_clusters(manifest, 1, 0, 4000))
-        x = sample(mixture, noise, steps=12).double()
+        field = mixture.assigned(ancestral_clusters(manifest, 1, 0, 4000)) if routing == "ancestral" else mixture
+        x = sample(field, noise, steps=12).double()
         mass = torch.bincount(torch.cdist(x, truth.means).argmin(1), minlength=4).double() / len(x)
         assert (mass > 0.5 * truth.weights).all() and 0.5 * (mass - truth.weights).abs().sum() < 0.08, (routing, mass)
 

@@ -261,10 +261,12 @@ def test_the_loader_draws_each_examples_noise_time_and_label_dropout_from_its_po
     assert torch.equal(batch.noise, streams.normal(cfg.seed, positions, (1, 8, 8)))
     assert torch.equal(batch.u_time, streams.uniform(cfg.seed, positions, "time"))
     assert torch.equal(batch.u_drop, streams.uniform(cfg.seed, positions, "label_drop"))
-    objective = objectives.build_objective(cfg, 4)
+    objective = objectives.build_objective(cfg)
+    objective.prepare(build_network(cfg.model, (1, 8, 8), 4))
     bare = dataclasses.replace(batch, noise=None, u_time=None, u_drop=None)
-    (inputs, target), (bare_inputs, bare_target) = objective.inputs_and_target(batch), objective.inputs_and_target(bare)
-    assert all(torch.equal(a, b) for a, b in zip([*inputs, target], [*bare_inputs, bare_target], strict=True))
+    drawn, bare = objective.regression(batch), objective.regression(bare)
+    inputs = drawn.inputs
+    assert all(torch.equal(a, b) for a, b in zip([*inputs, drawn.target], [*bare.inputs, bare.target], strict=True))
     dropped = inputs[2] == 4  # the "no label" token
     assert torch.equal(dropped, batch.u_drop < 0.5) and 0 < int(dropped.sum()) < 8
     halves = batch.chunk(2)
@@ -283,7 +285,7 @@ def test_flop_count_equals_the_matmul_count_of_a_known_network():
     net = build_network(cfg.model, (2,), 0)
     linear = {n: m.in_features * m.out_features for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
     expected = 6 * sum(linear.values()) - 2 * (linear["proj_in"] + linear["embed.time.mlp.0"])
-    assert flops_per_image(cfg.model, (2,), 0, objectives.build_objective(cfg, 0), micro_batch=8) == expected
+    assert flops_per_image(cfg.model, (2,), 0, objectives.build_objective(cfg), micro_batch=8) == expected
 
 
 SHORT = {"images": 32, "checkpoint_every": 16, "sample_every": 0}

@@ -1,9 +1,14 @@
-"""A rank's share of a global batch, as the loader hands it to the training loop: the examples, their labels, their
-positions in the global stream, and the randomness those positions key (DESIGN.md section 3).
+"""A rank's share of a global batch, as the loader hands it to the training loop: the examples, their condition, their
+positions in the global stream, the randomness those positions key (DESIGN.md section 3) and, for a router or a
+student of an ensemble, each example's cluster.
 
-The loader draws each example's noise and the uniforms behind its time and label dropout where it reads the
+The condition is whatever the network is conditioned on: today a class index (int64 (B,), -1 where the data has
+none); a network's condition module (islands/nets/condition.py) embeds it and drops it, so nothing between the
+loader and the network needs to know its kind.
+
+The loader draws each example's noise and the uniforms behind its time and condition dropout where it reads the
 example, in its worker processes when `data.workers` > 0, so that the training step does not wait on one CPU
-generator per example; the objective maps them to its time and dropped labels. A batch built without them (a
+generator per example; the objective maps them to its time and dropped condition. A batch built without them (a
 probe, a FLOP count, a test) is drawn from its positions on first use, to the same values.
 """
 
@@ -18,16 +23,17 @@ from islands.data import streams
 @dataclass(frozen=True)
 class Batch:
     x: Tensor  # (B, *shape) the examples, in [-1, 1]
-    labels: Tensor  # (B,) int64 class, -1 where the data has no labels
+    condition: Tensor  # (B, ...) what the network is conditioned on: an int64 class, -1 where the data has none
     positions: Tensor  # (B,) int64 stream positions; they stay on the host, where the generators they key are
     noise: Tensor | None = None  # (B, *shape) standard normal, keyed (seed, n, "noise")
     u_time: Tensor | None = None  # (B,) uniform in [0, 1), keyed "time": the objective's time sampler maps it to t
     u_drop: Tensor | None = None  # (B,) uniform in [0, 1), keyed "label_drop": dropped where u_drop < label_dropout
+    cluster: Tensor | None = None  # (B,) int64: the example's cluster of the partition (a router's target)
 
-    def drawn(self, seed: int, labelled: bool = True) -> "Batch":
-        """This batch with its examples' noise and uniforms (the label-drop ones only if `labelled`), those it
-        does not hold yet drawn from their positions, on the CPU as the loader draws them."""
-        noise, drop = self.noise is None, labelled and self.u_drop is None
+    def drawn(self, seed: int, conditioned: bool = True) -> "Batch":
+        """This batch with its examples' noise and uniforms (the condition-drop ones only if `conditioned`), those
+        it does not hold yet drawn from their positions, on the CPU as the loader draws them."""
+        noise, drop = self.noise is None, conditioned and self.u_drop is None
         if not (noise or drop):
             return self
         pos, draws = self.positions.tolist(), {}
@@ -50,6 +56,12 @@ class Batch:
     def pin_memory(self) -> "Batch":
         """In page-locked memory, for an asynchronous copy to a GPU (a DataLoader with pin_memory=True calls it)."""
         return replace(self, **{name: t.pin_memory() for name, t in self.tensors().items() if name != "positions"})
+
+    def rows(self, index: Tensor | slice) -> "Batch":
+        """The examples `index` selects (a slice, a boolean mask or indices), each with its position and draws."""
+        on_host = index.cpu() if isinstance(index, Tensor) else index
+        return replace(self, **{name: t[on_host if name == "positions" else index]
+                                for name, t in self.tensors().items()})
 
     def chunk(self, parts: int) -> list["Batch"]:
         """`parts` micro-batches (torch.chunk's sizes), each example keeping its position and draws."""

@@ -1,5 +1,5 @@
-"""A data set seen through a partition: one cluster of it (an expert's data), or all of it labelled with
-each example's cluster (the router's data). The partition folder is written by `islands partition`."""
+"""A data set seen through a partition: one cluster of it (an expert's data), or all of it with each example's
+cluster beside its class (the router's data). The partition folder is written by `islands partition`."""
 
 import json
 import warnings
@@ -80,8 +80,8 @@ class ClusterSubset(Source):
 
 
 class ClusterLabelled(Source):
-    """Every example, its label replaced by class * K + cluster (cluster alone for unlabelled data): the router
-    learns the cluster and may be conditioned on the class, and the loop still carries one label per example."""
+    """Every example with its class as it is, and its cluster beside it (`clusters_of`, the loader's
+    `Batch.cluster`): the router learns the cluster and may be conditioned on the class."""
 
     def __init__(self, source: Source, cluster: np.ndarray):
         self.source, self.cluster = source, torch.from_numpy(cluster)
@@ -93,6 +93,7 @@ class ClusterLabelled(Source):
         return len(self.source)
 
     def get(self, indices):
-        x, y = self.source.get(indices)
-        k = self.cluster[torch.as_tensor(np.asarray(indices, dtype=np.int64))]
-        return x, k if y is None else y * self.num_clusters + k
+        return self.source.get(indices)
+
+    def clusters_of(self, indices):
+        return self.cluster[torch.as_tensor(np.asarray(indices, dtype=np.int64))]

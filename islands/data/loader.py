@@ -65,10 +65,11 @@ class StreamDataset(Dataset):
         if self.flip:
             flip = streams.uniform(self.seed, positions, "flip") < 0.5
             x = torch.where(flip.reshape(-1, *([1] * (x.dim() - 1))), x.flip(-1), x)
-        labelled = y is not None
-        if not labelled:
+        conditioned = y is not None
+        if not conditioned:
             y = torch.full((len(items),), -1, dtype=torch.long)
-        return Batch(x, y, torch.tensor(positions, dtype=torch.long)).drawn(self.seed, labelled)
+        batch = Batch(x, y, torch.tensor(positions, dtype=torch.long), cluster=self.source.clusters_of(indices))
+        return batch.drawn(self.seed, conditioned)
 
 
 def _already_batched(batch):

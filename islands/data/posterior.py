@@ -61,6 +61,7 @@ class ExactPosterior:
 
 
 def exact_cluster_posterior(source, k: int, num_classes: int = 0) -> ExactPosterior:
-    """The exact posterior of a source labelled class * K + cluster (islands.data.clusters.ClusterLabelled)."""
-    x, labels = source.get(list(range(len(source))))
-    return ExactPosterior(x, labels % k, k, labels // k if num_classes else None, num_classes)
+    """The exact posterior of a source seen through its partition (islands.data.clusters.ClusterLabelled)."""
+    every = list(range(len(source)))
+    x, labels = source.get(every)
+    return ExactPosterior(x, source.clusters_of(every), k, labels if num_classes else None, num_classes)

@@ -51,6 +51,10 @@ class Source(ABC):
     def get(self, indices):
         """indices: int array -> (float32 (n, *shape), int64 (n,) or None)."""
 
+    def clusters_of(self, indices):
+        """The examples' clusters of a partition, int64 (n,), for a source seen through one; else None."""
+        return None
+
     def check(self):  # noqa: B027 -- a hook that only file-backed sources fill in
         """Fail now, naming the file, on an input that would stop a run when a batch
         reaches it. In-memory sources were fully validated at load: nothing to do."""

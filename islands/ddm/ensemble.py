@@ -159,9 +159,9 @@ class LearnedRouter:
 
 
 def load_ensemble(root: Path, routing: str = DEFAULT_ROUTING, max_loaded: int | None = None, seed: int = 0,
-                  device="cpu") -> tuple[Mixture, dict]:
+                  device="cpu", call_batch: int | None = None) -> tuple[Mixture, dict]:
     """The ensemble as one `Denoiser`: every file verified now, and again each time an expert's network is built
-    (when first needed, and after `max_loaded` dropped it)."""
+    (when first needed, and after `max_loaded` dropped it); no expert call larger than `call_batch` samples."""
     root = Path(root)
     manifest = read_manifest(root)
     slots = []
@@ -186,7 +186,7 @@ def load_ensemble(root: Path, routing: str = DEFAULT_ROUTING, max_loaded: int | 
         router = (LearnedRouter(_router_network(root, manifest["router"], device)) if found
                   else PriorRouter(manifest["prior"]))
     mixture = Mixture(slots, router, routing=routing, max_loaded=max_loaded, seed=seed,
-                      time_boundaries=manifest.get("t_ranges", [0, 1])[1:-1])
+                      time_boundaries=manifest.get("t_ranges", [0, 1])[1:-1], call_batch=call_batch)
     return mixture, manifest
 
 
@@ -219,14 +219,16 @@ def ancestral_clusters(manifest: dict, seed: int, first: int, num: int, labels: 
     return drawn.clamp(max=prior.shape[1] - 1)
 
 
-def ancestral_preparation(mixture: Mixture, manifest: dict, seed: int):
-    """For `generate`: before each batch, fix every sample's expert as ancestral routing draws it, around missing
-    experts (None when the policy needs no assignment)."""
+def ancestral_assignment(mixture: Mixture, manifest: dict, seed: int, drawn_by=None):
+    """For `generate(for_batch=...)`: the mixture (or `drawn_by`, the same mixture spread over ranks) with every
+    sample of the batch sent to its expert as ancestral routing draws it, around missing experts (None when the
+    policy needs no assignment)."""
     if not mixture.routing.needs_assignment:
         return None
 
-    def prepare(lo, hi, labels):
+    def for_batch(lo, hi, labels):
         mixture.warn_missing()
-        mixture.assign(ancestral_clusters(manifest, seed, lo, hi - lo, labels, mixture.available))
+        return (drawn_by or mixture).assigned(ancestral_clusters(manifest, seed, lo, hi - lo, labels,
+                                                                 mixture.available))
 
-    return prepare
+    return for_batch

@@ -12,13 +12,14 @@ differently); the `sample` policy draws from a generator in call order, so it di
 
 import math
 import time
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
 from islands.data import streams
-from islands.ddm.ensemble import ancestral_preparation
-from islands.ddm.mixture import Mixture, RangeView
+from islands.ddm.ensemble import ancestral_assignment
+from islands.ddm.mixture import Mixture, MixtureView
 from islands.ddm.time_gate import TimeGate
 from islands.errors import ConfigError
 from islands.flow.denoiser import broadcast
@@ -37,17 +38,21 @@ class ExpertParallelMixture(nn.Module):
         self.time_boundaries = mixture.time_boundaries
         self.evaluations = 0  # (sample, expert) pairs of this rank's samples, wherever they were evaluated
 
-    def for_range(self, i: int):
-        return RangeView(self, i)
+    def for_range(self, i: int) -> MixtureView:
+        return MixtureView(self, time_range=i)
 
-    def guided(self, scale: float, time_range: int | None = None):
+    def assigned(self, clusters: Tensor) -> MixtureView:
+        """Ancestral routing: each sample of the batch sent to its expert `clusters`, wherever that expert lives."""
+        return replace(self.mixture.assigned(clusters), mixture=self)
+
+    def guided(self, scale: float, time_range: int | None = None, assigned: Tensor | None = None):
         """Classifier-free guidance inside each expert, as `Mixture.guided`: the expert's rank evaluates both halves."""
-        return lambda x, t, cond=None: self.forward(x, t, cond, time_range, scale)
+        return lambda x, t, cond=None: self.forward(x, t, cond, time_range, assigned, scale)
 
     def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None, time_range: int | None = None,
-                scale: float = 1.0) -> Tensor:
+                assigned: Tensor | None = None, scale: float = 1.0) -> Tensor:
         t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(x.shape[0])
-        weights = self.mixture.selection_weights(x, t, cond)
+        weights = self.mixture.selection_weights(x, t, cond, assigned)
         rows, experts = (weights > 0).nonzero(as_tuple=True)
         self.evaluations += rows.numel() * (2 if cond is not None and scale != 1.0 else 1)
         home = experts % self.world.size  # the rank that owns each pair's expert
@@ -95,7 +100,7 @@ def sample_distributed(mixture: Mixture, manifest: dict, shape: tuple, num: int,
     world.barrier()
     start = time.perf_counter()
     x = generate(parallel, shape, per, opts, seed, mine, first=first,
-                 prepare=ancestral_preparation(mixture, manifest, seed))
+                 for_batch=ancestral_assignment(mixture, manifest, seed, drawn_by=parallel))
     to_main = [[x if rank == 0 else x[:0]] for rank in range(world.size)]
     gathered = exchange(to_main, world)
     seconds = time.perf_counter() - start

@@ -14,7 +14,7 @@ sampler runs it unchanged.
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -78,7 +78,7 @@ class Routing:
     switch: float = 0.0
 
     @property
-    def needs_assignment(self) -> bool:  # each sample's ancestral expert, from `Mixture.assign`
+    def needs_assignment(self) -> bool:  # each sample's ancestral expert, given by `Mixture.assigned`
         return self.policy in ("ancestral", "ancestral_then")
 
     @property
@@ -133,6 +133,7 @@ class Mixture(nn.Module):
         max_loaded: int | None = None,
         seed: int = 0,
         time_boundaries: list[float] = (),
+        call_batch: int | None = None,
     ):
         super().__init__()
         # where the experts' own timestep-range experts hand over (a cluster x range grid), for the samplers' grids
@@ -148,14 +149,15 @@ class Mixture(nn.Module):
             raise ValueError(f"routing {self.routing.policy!r} needs a router")
         if max_loaded is not None and max_loaded < 1:
             raise ConfigError(f"--max-loaded: {max_loaded} must be at least 1")
+        if call_batch is not None and call_batch < 1:
+            raise ValueError(f"call_batch must be >= 1, got {call_batch}")
         self.router = router
         self.max_loaded = max_loaded
         self.generator = torch.Generator().manual_seed(seed)
         self.available = torch.tensor([slot.available for slot in self.slots])
         self._loaded: OrderedDict[int, Denoiser] = OrderedDict()  # least recently used first
-        self._assigned: Tensor | None = None
         self._warned_missing = False
-        self.call_batch: int | None = None  # the most samples one expert call holds (set by plan_sampling)
+        self.call_batch = call_batch  # the most samples one expert call holds (None: no limit)
         self.reset_counts()
 
     # --- bookkeeping ----------------------------------------------------------------------------
@@ -168,16 +170,15 @@ class Mixture(nn.Module):
         """Expert evaluations per sample, for `num_samples` samples generated since the last `reset_counts`."""
         return self.evaluations / num_samples
 
-    def plan_sampling(self, batch_size: int) -> int:
-        """How many samples to draw at once so that each expert's calls hold about `batch_size`, as one model's
-        calls do: a policy that sends every sample to one of K experts splits a batch K ways, and small calls waste
-        an accelerator. Under full and nucleus routing an expert may see every sample: `batch_size` itself.
-        From now on no expert call holds more than `batch_size` samples: a router that sends most of a wide
-        batch to one expert would otherwise hand it K batches at once, beyond the memory the user planned for
-        and slower per sample on a CPU (docs/BENCHMARKS.md section 12)."""
+    def samples_at_once(self, batch_size: int) -> int:
+        """How many samples to draw at once so that each expert's calls hold about `batch_size` (the mixture's
+        `call_batch`), as one model's calls do: a policy that sends every sample to one of K experts splits a batch K
+        ways, and small calls waste an accelerator. Under full and nucleus routing an expert may see every sample:
+        `batch_size` itself. No expert call holds more than `call_batch` samples: a router that sends most of a wide
+        batch to one expert would otherwise hand it K batches at once, beyond the memory the user planned for and
+        slower per sample on a CPU (docs/BENCHMARKS.md section 12)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.call_batch = batch_size
         if self.routing.policy in ("full", "nucleus"):
             return batch_size
         return batch_size * int(self.available.sum()) // self.routing.top_k
@@ -199,31 +200,32 @@ class Mixture(nn.Module):
         """Names of the experts whose slot has nothing to load."""
         return [slot.name for slot in self.slots if not slot.available]
 
-    def assign(self, clusters: Tensor) -> None:
-        """Ancestral routing: the expert of each sample of the batch, for all following calls."""
+    def assigned(self, clusters: Tensor) -> "MixtureView":
+        """Ancestral routing: the mixture for a batch whose samples' experts are `clusters`, as a `Denoiser`."""
         if not self.routing.needs_assignment:
-            raise ValueError(f"assign() is for ancestral routing, not {self.routing.policy!r}")
+            raise ValueError(f"assigned() is for ancestral routing, not {self.routing.policy!r}")
         clusters = torch.as_tensor(clusters, dtype=torch.long)
         if clusters.dim() != 1 or (clusters < 0).any() or (clusters >= len(self.slots)).any():
             raise ValueError(f"clusters must be a vector of expert indices in [0, {len(self.slots)})")
         missing = sorted({self.slots[k].name for k in clusters.unique().tolist() if not self.slots[k].available})
         if missing:
             raise ValueError(f"ancestral routing assigns samples to missing experts {missing}")
-        self._assigned = clusters
+        return MixtureView(self, assigned=clusters)
 
     # --- the velocity -----------------------------------------------------------------------------
     def for_range(self, i: int) -> Denoiser:
         """The mixture with each expert's timestep-range expert i answering (a cluster x range grid), for a sampler
         integrating range i."""
-        return RangeView(self, i)
+        return MixtureView(self, time_range=i)
 
-    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None, time_range: int | None = None) -> Tensor:
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor | None = None, time_range: int | None = None,
+                assigned: Tensor | None = None) -> Tensor:
         t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(x.shape[0])
-        weights = self.selection_weights(x, t, cond)  # (B, K), zero where not selected, rows sum to 1
+        weights = self.selection_weights(x, t, cond, assigned)  # (B, K), zero where not selected, rows sum to 1
         return self._combine(x, weights, lambda expert, rows: expert(x[rows], t[rows], None if cond is None
                                                                      else cond[rows]), time_range)
 
-    def guided(self, scale: float, time_range: int | None = None) -> Denoiser:
+    def guided(self, scale: float, time_range: int | None = None, assigned: Tensor | None = None) -> Denoiser:
         """Classifier-free guidance inside each expert, as the samplers' `guided` asks of a denoiser that has it:
 
             v = sum_k w_k(x_t, t, c) [u_k(x_t, t) + scale (u_k(x_t, t, c) - u_k(x_t, t))],
@@ -234,14 +236,14 @@ class Mixture(nn.Module):
         Under ancestral routing both are the same (each sample has one expert), to the bit."""
         def velocity(x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
             if cond is None or scale == 1.0:
-                return self.forward(x, t, cond, time_range)
+                return self.forward(x, t, cond, time_range, assigned)
             t = torch.as_tensor(t, dtype=x.dtype, device=x.device).expand(x.shape[0])
 
             def call(expert, rows):
                 v_cond, v_uncond = expert(x[rows], t[rows], cond[rows]), expert(x[rows], t[rows], None)
                 return v_uncond + scale * (v_cond - v_uncond)
 
-            return self._combine(x, self.selection_weights(x, t, cond), call, time_range, calls=2)
+            return self._combine(x, self.selection_weights(x, t, cond, assigned), call, time_range, calls=2)
 
         return velocity
 
@@ -264,15 +266,15 @@ class Mixture(nn.Module):
             out[rows] += term
         return out
 
-    def selection_weights(self, x: Tensor, t: Tensor, cond: Tensor | None) -> Tensor:
-        """Per-sample weights of the selected experts, float64 (B, K)."""
+    def selection_weights(self, x: Tensor, t: Tensor, cond: Tensor | None, assigned: Tensor | None = None) -> Tensor:
+        """Per-sample weights of the selected experts, float64 (B, K); `assigned`: each sample's ancestral expert."""
         batch, num = x.shape[0], len(self.slots)
         if self.routing.needs_assignment:
-            if self._assigned is None:
-                raise RuntimeError("ancestral routing: call assign(clusters) before sampling")
-            if self._assigned.shape[0] != batch:
-                raise ValueError(f"ancestral routing: {self._assigned.shape[0]} clusters assigned, batch of {batch}")
-            ancestral = nn.functional.one_hot(self._assigned.to(x.device), num).double()
+            if assigned is None:
+                raise RuntimeError("ancestral routing: sample the mixture assigned(clusters), each sample's expert")
+            if assigned.shape[0] != batch:
+                raise ValueError(f"ancestral routing: {assigned.shape[0]} clusters assigned, batch of {batch}")
+            ancestral = nn.functional.one_hot(assigned.to(x.device), num).double()
             if self.routing.policy == "ancestral":
                 return ancestral
             late = t <= self.routing.switch  # ancestral_then: the router takes over from t = switch
@@ -339,15 +341,24 @@ class Mixture(nn.Module):
 
 
 @dataclass(frozen=True)
-class RangeView:
-    """A mixture (one process's or spread over ranks) whose experts answer with their timestep-range expert
-    `time_range`, guided like the mixture."""
+class MixtureView:
+    """A mixture (one process's or spread over ranks) as a `Denoiser` for one purpose: its experts answering with
+    their timestep-range expert `time_range`, and/or each sample of the batch sent to its ancestral expert
+    `assigned`; guided like the mixture."""
 
     mixture: nn.Module
-    time_range: int
+    time_range: int | None = None
+    assigned: Tensor | None = None
+
+    @property
+    def time_boundaries(self) -> list[float]:
+        return [] if self.time_range is not None else self.mixture.time_boundaries
+
+    def for_range(self, i: int) -> Denoiser:
+        return replace(self, time_range=i)
 
     def __call__(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
-        return self.mixture(x, t, cond, time_range=self.time_range)
+        return self.mixture(x, t, cond, time_range=self.time_range, assigned=self.assigned)
 
     def guided(self, scale: float) -> Denoiser:
-        return self.mixture.guided(scale, self.time_range)
+        return self.mixture.guided(scale, self.time_range, self.assigned)

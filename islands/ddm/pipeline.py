@@ -13,7 +13,7 @@ from pathlib import Path
 
 from islands.config import Config, ConfigError, revalidate
 from islands.data import build_data
-from islands.ddm.ensemble import MANIFEST, ancestral_preparation, file_sha256, load_ensemble, write_manifest
+from islands.ddm.ensemble import MANIFEST, file_sha256, write_manifest
 from islands.ddm.members import Member, run_members
 from islands.ddm.mixture import DEFAULT_ROUTING
 from islands.ddm.partition import Partition, partition, save_cluster_picture
@@ -26,9 +26,10 @@ from islands.ddm.runs import (
     partition_dir,
     router_dir,
 )
+from islands.ddm.sampling import open_sampler
 from islands.eval.evaluate import Evaluator, build_features, entry_key, format_table, generated, record, timed
 from islands.flow.samplers import evaluations_per_sample
-from islands.generate import load_denoiser, run_sample_options
+from islands.generate import open_run
 from islands.images import save_samples_picture, save_side_by_side
 from islands.rundir import describe_run, latest_checkpoint, prepare_run_dir, trained_below
 from islands.train.flops import flops_per_image
@@ -88,7 +89,7 @@ def monolith_images(cfg: Config) -> int:
     info = describe_run(expert_runs(cfg, 0)[0])[1]
     shape, num_classes = tuple(info["shape"]), info["num_classes"]
     micro = mono.train.batch_size // mono.train.accumulate
-    per_image = flops_per_image(mono.model, shape, num_classes, build_objective(mono, num_classes), micro,
+    per_image = flops_per_image(mono.model, shape, num_classes, build_objective(mono), micro,
                                 checkpointing=mono.train.activation_checkpointing)
     return max(cfg.train.images, math.ceil(ensemble_training_flops(cfg) / per_image))
 
@@ -133,11 +134,9 @@ def picture_name(routing: str) -> str:
 def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: bool = True) -> dict:
     """The ensemble's sample grid and its metrics against the whole data set (ENSEMBLE/metrics.json)."""
     root = ensemble_dir(cfg)
-    mixture, manifest = load_ensemble(root, routing, seed=cfg.seed)
-    shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)
-    num_classes = cfg.model.num_classes
     # ancestral: each sample keeps one expert, drawn by its own stream from p(cluster | class) or the cluster sizes
-    prepare = ancestral_preparation(mixture, manifest, cfg.seed)
+    sampler = open_sampler(root, cfg.sample.model_dump(), routing=routing, seed=cfg.seed)  # `cfg`'s, not the folder's
+    mixture = sampler.denoiser
     source = whole_data(cfg)
     evaluator = Evaluator(source, cfg.eval, cfg.seed, progress)
     mixture.reset_counts()
@@ -148,21 +147,18 @@ def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: b
         # before the metrics call the mixture themselves
         sampling["evaluations"], sampling["router"] = mixture.evaluations, mixture.router_evaluations
 
-    batch = mixture.plan_sampling(cfg.sample.batch_size)
-    opts = run_sample_options(cfg.sample.model_copy(update={"batch_size": batch}), cfg)
-    batches = generated(mixture, shape, cfg.eval.num, opts, cfg.seed, num_classes, progress, prepare)
+    batches = generated(sampler, cfg.eval.num, progress, seed=cfg.seed)
     # the velocity error needs a field of (x, t); ancestral routing is one only along each sample's own path
     result = evaluator(counted(batches), None if mixture.routing.needs_assignment else mixture)
     result["seconds_per_sample"] = sampling["seconds"] / cfg.eval.num
     result["expert_evaluations_per_sample"] = sampling["evaluations"] / cfg.eval.num
     result["router_evaluations_per_sample"] = sampling["router"] / cfg.eval.num
-    grid = next(generated(mixture, shape, min(64, cfg.sample.num), opts, cfg.seed, num_classes,
-                          prepare=prepare))[0]
+    grid = next(generated(sampler, min(64, cfg.sample.num), seed=cfg.seed))[0]
     save_samples_picture(grid, root / "samples" / f"{picture_name(routing)}.png", backdrop(source),
                          f"ensemble, {routing} routing")
     # the manifest's hash names the members and their checkpoints
     subject = f"ensemble manifest={file_sha256(root / MANIFEST)[:16]} routing={routing}"
-    return record(root / "metrics.json", entry_key(subject, evaluator, cfg.eval.num, opts), result)
+    return record(root / "metrics.json", entry_key(subject, evaluator, cfg.eval.num, sampler.opts), result)
 
 
 def training_flops(run: Path) -> float:
@@ -173,13 +169,11 @@ def training_flops(run: Path) -> float:
 def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) -> dict:
     """The monolith evaluated exactly like the ensemble, a side-by-side grid and a table of both."""
     root, mono = ensemble_dir(cfg), monolith_config(cfg)
-    denoiser, _, info = load_denoiser(Path(mono.run_dir))
-    shape = tuple(info["shape"])
+    sampler = open_run(Path(mono.run_dir), cfg.sample.model_dump())  # sampled as the ensemble was
     source = whole_data(cfg)
-    clock, opts = {}, run_sample_options(cfg.sample, cfg)  # as the ensemble was sampled
-    batches = generated(denoiser, shape, cfg.eval.num, opts, cfg.seed, cfg.model.num_classes, progress)
+    clock, opts = {}, sampler.opts
     evaluator = Evaluator(source, cfg.eval, cfg.seed, progress)
-    monolith = evaluator(timed(batches, clock), denoiser)
+    monolith = evaluator(timed(generated(sampler, cfg.eval.num, progress, seed=cfg.seed), clock), sampler.denoiser)
     monolith["seconds_per_sample"] = clock["seconds"] / cfg.eval.num
     monolith["expert_evaluations_per_sample"] = evaluations_per_sample(
         cfg.sample.solver, cfg.sample.steps, cfg.sample.guidance if cfg.model.num_classes else 1.0)
@@ -189,7 +183,7 @@ def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) ->
     record(root / "metrics.json", entry_key(subject, evaluator, cfg.eval.num, opts), monolith)
     num = min(64, cfg.sample.num)
     grids = {f"ensemble ({DEFAULT_ROUTING})": root / "samples" / f"{picture_name(DEFAULT_ROUTING)}.png"}
-    mono_grid = next(generated(denoiser, shape, num, opts, cfg.seed, cfg.model.num_classes))[0]
+    mono_grid = next(generated(sampler, num, seed=cfg.seed))[0]
     grids["monolith"] = save_samples_picture(mono_grid, root / "samples" / "monolith.png", backdrop(source))
     save_side_by_side(grids, root / "comparison.png", "the experts and the router together cost what the monolith "
                       "costs; the same noise for both")

@@ -114,10 +114,10 @@ def router_images(cfg: Config, router: Config) -> int:
     for k in range(cfg.ddm.k):
         e = expert_config(cfg, k)
         micro = e.train.batch_size // e.train.accumulate
-        per_image = flops_per_image(e.model, shape, classes, build_objective(e, classes), micro,
+        per_image = flops_per_image(e.model, shape, classes, build_objective(e), micro,
                                     checkpointing=e.train.activation_checkpointing)
         experts += per_image * e.train.images
-    objective = RouterObjective(cfg.seed, cfg.ddm.k, classes, cfg.train.label_dropout)
+    objective = RouterObjective(cfg.seed, cfg.ddm.k, cfg.train.label_dropout)
     per_image = flops_per_image(router.model, shape, classes, objective, router.train.batch_size,
                                 checkpointing=router.train.activation_checkpointing)
     batches = max(1, round(cfg.ddm.router.flops_fraction * experts / per_image / router.train.batch_size))

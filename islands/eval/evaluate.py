@@ -28,7 +28,7 @@ from islands.eval.features import (
     load_torch_features,
 )
 from islands.flow.denoiser import Denoiser
-from islands.generate import generate, load_denoiser, run_sample_options, sample_labels
+from islands.generate import Sampler, open_run
 from islands.rundir import CONFIG, atomic_write_text, describe_run, is_run_dir, latest_checkpoint, read_npz
 
 SAMPLE_METRICS = ("fd", "kid", "precision_recall", "density_coverage", "class_balance")  # from samples alone
@@ -163,18 +163,17 @@ class Evaluator:
         return out
 
 
-def generated(denoiser: Denoiser, shape: tuple, num: int, opts: SampleConfig, seed: int, num_classes: int,
-              progress: bool = False, prepare=None, device="cpu"):
-    """Batches of (samples, labels) on the CPU from the per-sample noise stream, drawn by `denoiser` on `device`;
-    images clamped to the data range. `prepare` as in `generate`."""
-    labels = sample_labels(num, num_classes)
+def generated(sampler: Sampler, num: int, progress: bool = False, device="cpu", seed: int | None = None):
+    """Batches of (samples, labels) on the CPU from the per-sample noise stream of `seed` (the run's if None), every
+    class in turn, drawn on `device`; images clamped to the data range."""
+    labels = sampler.labels(num)
     bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
-    for lo in range(0, num, opts.batch_size):
-        n = min(opts.batch_size, num - lo)
+    for lo in range(0, num, sampler.opts.batch_size):
+        n = min(sampler.opts.batch_size, num - lo)
         batch_labels = None if labels is None else labels[lo:lo + n]
-        x = generate(denoiser, shape, n, opts, seed, batch_labels, first=lo, prepare=prepare, device=device)
+        x = sampler.generate(n, batch_labels, seed, first=lo, device=device)
         bar.update(n)
-        yield (x.clamp(-1, 1) if len(shape) == 3 else x), batch_labels
+        yield (x.clamp(-1, 1) if len(sampler.shape) == 3 else x), batch_labels
     bar.close()
 
 
@@ -236,15 +235,12 @@ def evaluate_target(target: Path, num: int | None = None, steps: int | None = No
             raise DataError(f"{target}: {err}") from None
         key, out = entry_key(f"{target.name} run={run.resolve()}", evaluator), target.parent / "metrics.json"
     else:
-        denoiser, cfg, info = load_denoiser(run)
-        opts = run_sample_options(cfg.sample.model_copy(update={k: v for k, v in {
-            "steps": steps, "batch_size": batch_size}.items() if v is not None}), cfg)
+        sampler = open_run(run, {"steps": steps, "batch_size": batch_size})
         num = eval_cfg.num
         clock = {}
-        batches = generated(denoiser, tuple(info["shape"]), num, opts, cfg.seed, info["num_classes"], progress)
-        result = evaluator(timed(batches, clock), denoiser)
+        result = evaluator(timed(generated(sampler, num, progress), clock), sampler.denoiser)
         result["seconds_per_sample"] = clock["seconds"] / num
-        key = entry_key(f"images={int(latest_checkpoint(run).name)}", evaluator, num, opts)
+        key = entry_key(f"images={int(latest_checkpoint(run).name)}", evaluator, num, sampler.opts)
         out = run / "metrics.json"
     return record(out, key, result), out
 

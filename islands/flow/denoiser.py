@@ -5,7 +5,7 @@ is eps - x0. `NetworkDenoiser` wraps a network trained on any path with any pred
 converts exactly: canonical (x, t) -> its own (x_tau, tau) -> its output -> (x0, eps) -> eps - x0.
 """
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +24,32 @@ EPSILON_T_MAX = 80 / 81
 
 
 class Denoiser(Protocol):
+    """(x, t, cond) -> the canonical velocity. Any such callable samples; a denoiser may also say more of itself
+    to the samplers, by the optional parts below (`GuidesItself`, `SplitInTime`)."""
+
     def __call__(self, x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor: ...
+
+
+@runtime_checkable
+class GuidesItself(Denoiser, Protocol):
+    """A denoiser that does its own classifier-free guidance (a mixture guides inside each expert, so that a
+    sample's guidance direction is always one expert's)."""
+
+    def guided(self, scale: float) -> Denoiser:
+        """The guided velocity field at `scale`."""
+        ...
+
+
+@runtime_checkable
+class SplitInTime(Denoiser, Protocol):
+    """A denoiser made of timestep-range experts: the samplers put its boundaries into their time grids and
+    integrate range i (counted from t = 0) with `for_range(i)` alone, so that no solver step mixes two experts."""
+
+    time_boundaries: list[float]  # the canonical times where one range expert hands over to the next
+
+    def for_range(self, i: int) -> Denoiser:
+        """The denoiser that answers inside range i."""
+        ...
 
 
 def broadcast(coef: Tensor, x: Tensor) -> Tensor:

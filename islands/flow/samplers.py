@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from islands.flow.denoiser import Denoiser
+from islands.flow.denoiser import Denoiser, GuidesItself, SplitInTime
 
 SOLVERS = ("euler", "heun", "dpm2m", "unipc")
 GRIDS = ("uniform", "edm", "shifted", "logsnr")
@@ -109,7 +109,7 @@ def guided(denoiser: Denoiser, scale: float) -> Denoiser:
     """Classifier-free guidance (Ho & Salimans 2022): v = v_uncond + scale * (v_cond - v_uncond)."""
     if scale == 1.0:
         return denoiser
-    if hasattr(denoiser, "guided"):  # a denoiser that guides itself: a mixture guides inside each expert
+    if isinstance(denoiser, GuidesItself):  # a mixture guides inside each expert
         return denoiser.guided(scale)
 
     def velocity(x: Tensor, t: Tensor, cond: Tensor | None = None) -> Tensor:
@@ -288,7 +288,7 @@ def sample(
     # answers inside range i (`for_range(i)`, ranges counted from t = 0): each range is integrated on its own part
     # of the grid with its own expert, so no step, not even Heun's corrector on a boundary, mixes two experts (and
     # a multistep solver starts its history again in each range).
-    bounds = sorted(getattr(denoiser, "time_boundaries", ()))
+    bounds = sorted(denoiser.time_boundaries) if isinstance(denoiser, SplitInTime) else []
     ts = with_boundaries(time_grid(steps, grid, t_min=HEUN_T_MIN if solver == "heun" else 0.0), bounds)
     if not bounds:
         return _SOLVERS[solver](_velocity(denoiser, guidance, cond), noise, ts)

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from islands.nets.condition import Conditioned
 from islands.nets.layers import ConditionEmbedder, StagedNetwork, modulate
 
 # Model sizes from the paper, Table 1.
@@ -91,7 +92,7 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm(x), shift, scale))
 
 
-class DiT(StagedNetwork):
+class DiT(Conditioned, StagedNetwork):
     stem_modules, head_modules = ("x_embedder", "embed"), ("final_layer",)
 
     def __init__(self, input_size, in_channels, patch_size=2, hidden_size=384, depth=12, num_heads=6,

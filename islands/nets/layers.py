@@ -1,10 +1,12 @@
-"""Layers shared by the networks: time and label embeddings, modulation, init helpers."""
+"""Layers shared by the networks: time and condition embeddings, modulation, init helpers."""
 
 import math
 from abc import ABC, abstractmethod
 
 import torch
 import torch.nn as nn
+
+from islands.nets.condition import ClassCondition
 
 
 def timestep_embedding(t, dim, max_period=10000):
@@ -39,43 +41,23 @@ class TimestepEmbedder(nn.Module):
         return self.mlp(timestep_embedding(t, self.frequency_size))
 
 
-class LabelEmbedder(nn.Module):
-    """Class embedding table with one extra row, index num_classes, for "no label".
-
-    The null row is what classifier-free guidance (Ho & Salimans 2022) uses for the
-    unconditional prediction. Label dropout is the training loop's job: it passes
-    the null index, so the network itself stays deterministic.
-    """
-
-    def __init__(self, num_classes, hidden_size):
-        super().__init__()
-        self.num_classes = num_classes
-        self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)
-
-    def forward(self, labels):
-        return self.embedding_table(labels)
-
-
-def labels_or_null(cond, batch, num_classes, device):
-    """cond if given, else a (batch,) tensor filled with the null index num_classes."""
-    if cond is not None:
-        return cond
-    return torch.full((batch,), num_classes, dtype=torch.long, device=device)
-
-
 class ConditionEmbedder(nn.Module):
-    """Time embedding plus, when num_classes > 0, a class embedding (ADM / DiT sum them)."""
+    """Time embedding plus, when num_classes > 0, the condition's embedding (ADM / DiT sum them)."""
 
     def __init__(self, hidden_size, num_classes=0, frequency_size=256):
         super().__init__()
-        self.num_classes = num_classes
         self.time = TimestepEmbedder(hidden_size, frequency_size)
-        self.label = LabelEmbedder(num_classes, hidden_size) if num_classes > 0 else None
+        # named `label` in the checkpoints of every run so far (embed.label.embedding_table.weight)
+        self.label = ClassCondition(num_classes, hidden_size) if num_classes > 0 else None
+
+    @property
+    def condition(self) -> ClassCondition | None:
+        return self.label
 
     def forward(self, t, cond=None):
         emb = self.time(t)
         if self.label is not None:
-            emb = emb + self.label(labels_or_null(cond, t.shape[0], self.num_classes, t.device))
+            emb = emb + self.label.embed(cond, t.shape[0], t.device)
         return emb
 
 

@@ -2,6 +2,7 @@
 
 import torch.nn as nn
 
+from islands.nets.condition import Conditioned
 from islands.nets.layers import ConditionEmbedder, StagedNetwork, modulate, zero_module
 
 
@@ -20,7 +21,7 @@ class ResidualBlock(nn.Module):
         return h + self.mlp(modulate(self.norm(h), shift, scale))
 
 
-class MLP(StagedNetwork):
+class MLP(Conditioned, StagedNetwork):
     stem_modules, head_modules = ("embed", "proj_in"), ("norm_out", "proj_out")
 
     def __init__(self, dim, hidden=256, depth=4, num_classes=0):

@@ -14,8 +14,9 @@ mode weights of the samples are decided. The prior table is a buffer, filled fro
 import torch
 from torch import nn
 
+from islands.nets.condition import Conditioned
 from islands.nets.dit import DiTBlock, sincos_2d
-from islands.nets.layers import ConditionEmbedder, labels_or_null
+from islands.nets.layers import ConditionEmbedder
 from islands.nets.mlp import MLP
 
 
@@ -32,11 +33,13 @@ class PriorAnchor(nn.Module):
         self.log_prior.copy_(torch.as_tensor(table, dtype=self.log_prior.dtype).clamp_min(1e-6).log())
 
     def forward(self, logits, t, cond=None):
-        rows = self.log_prior[labels_or_null(cond, logits.shape[0], self.num_classes, logits.device)]
+        if cond is None:  # no class: the last row
+            cond = torch.full((logits.shape[0],), self.num_classes, dtype=torch.long, device=logits.device)
+        rows = self.log_prior[cond]
         return rows.to(logits.dtype) + (1 - t).to(logits.dtype).unsqueeze(1) * logits
 
 
-class TransformerRouter(nn.Module):
+class TransformerRouter(Conditioned, nn.Module):
     def __init__(self, input_size, in_channels, outputs, patch_size=4, hidden_size=128, depth=4, num_heads=4,
                  num_classes=0):
         super().__init__()

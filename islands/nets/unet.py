@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from islands.nets.condition import Conditioned
 from islands.nets.layers import ConditionEmbedder, StagedNetwork, group_norm, zero_module
 
 
@@ -97,7 +98,7 @@ class MiddleBlock(nn.Module):
         return self.res2(self.attn(self.res1(x, emb)), emb)
 
 
-class UNet(StagedNetwork):
+class UNet(Conditioned, StagedNetwork):
     """Predicts a tensor of x's shape from (x, t, cond).
 
     attention_resolutions lists feature-map sides (e.g. 16 means 16x16) that get attention.

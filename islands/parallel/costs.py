@@ -73,9 +73,8 @@ def carry_bytes(net: nn.Module, batch: int, stop: int) -> int:
     if next(net.parameters()).device.type != "meta":
         net = copy.deepcopy(net).to("meta")  # Module.to works in place
     x = torch.zeros(batch, *net.input_shape, device="meta")
-    cond = torch.zeros(batch, dtype=torch.long, device="meta") if net.num_classes else None
-    with torch.no_grad():
-        carry = net.stem(x, torch.zeros(batch, device="meta"), cond)
+    with torch.no_grad():  # no condition: its embedding's "none" is the same size as any other
+        carry = net.stem(x, torch.zeros(batch, device="meta"))
         for i in range(stop):
             carry = net.block_forward(i, carry)
     return sum(c.numel() * c.element_size() for c in carry)

@@ -204,8 +204,11 @@ class PipelineStrategy(Strategy):
     def forward_backward(self, model, loss, micro_batches: list[Batch], scaler) -> torch.Tensor:
         """One schedule step over this rank's batch: stage 0 gets the noised inputs, the last stage the targets;
         the schedule splits both into `parallel.microbatches` and averages the gradients over them."""
-        inputs, target = loss.inputs_and_target(Batch.cat(micro_batches))
-        self.objective, losses = loss, []
+        regression = loss.regression(Batch.cat(micro_batches))
+        if regression is None:
+            raise ValueError(f"parallel.strategy: a pipeline trains regressions of the network's output, which "
+                             f"{type(loss).__name__} is not")
+        inputs, target, self.score, losses = regression.inputs, regression.target, regression.loss, []
         first = any(stage.is_first for stage in self.pipeline)
         last = any(stage.is_last for stage in self.pipeline)
         with self.autocast():
@@ -218,7 +221,7 @@ class PipelineStrategy(Strategy):
         return mean
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.objective.loss_of(output, target).mean()
+        return self.score(output, target).mean()  # the schedule hands it each micro-batch's part of the target
 
     def clip_grad_norm(self, params: list, max_norm: float) -> torch.Tensor:
         """The norm of the whole network's gradient: each rank's share of its square, summed over the pipeline."""
@@ -249,10 +252,10 @@ class PipelineStrategy(Strategy):
 
 
 def example_input(net: nn.Module) -> tuple:
-    """One input the network accepts, to count its blocks' FLOPs."""
+    """One input the network accepts, to count its blocks' FLOPs (without a condition: a looked-up "none" costs what
+    any condition does)."""
     device = next(net.parameters()).device
-    cond = torch.zeros(1, dtype=torch.long, device=device) if net.num_classes else None
-    return torch.zeros(1, *net.input_shape, device=device), torch.full((1,), 0.5, device=device), cond
+    return torch.zeros(1, *net.input_shape, device=device), torch.full((1,), 0.5, device=device)
 
 
 def _owner(key: str, net: nn.Module, owner_of_block: dict) -> int:

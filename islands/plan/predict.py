@@ -77,7 +77,7 @@ class Planner:
         self.params = sum(p.numel() for p in self.net.parameters())
         self.buckets = max(1, math.ceil(dense_bytes(self.net.parameters()) / BUCKET))  # DDP's all-reduces a step
         micro = max(1, self.batch // self.W // cfg.train.accumulate)
-        self.flops = flops_per_image(cfg.model, self.shape, num_classes, build_objective(cfg, num_classes), micro,
+        self.flops = flops_per_image(cfg.model, self.shape, num_classes, build_objective(cfg), micro,
                                      checkpointing=cfg.train.activation_checkpointing)
         self.rate = network.gpu_tflops * 1e12 * network.mfu
 

@@ -7,6 +7,7 @@ still on a copy and with the random state restored. Activation checkpointing's r
 since it is compute the run pays for.
 """
 
+import copy
 import json
 from pathlib import Path
 
@@ -35,10 +36,12 @@ def _replay(model, shape, num_classes, objective, micro_batch, checkpointing, de
             net = build_network(model, shape, num_classes)
         if checkpointing:
             checkpoint_blocks(net)
+        objective = copy.copy(objective)  # prepared for this copy of the network, the caller's left as it was
+        objective.prepare(net)
         x = torch.zeros(micro_batch, *shape, device=device)
-        labels = torch.zeros(micro_batch, dtype=torch.long, device=device)
+        zeros = torch.zeros(micro_batch, dtype=torch.long, device=device)  # class 0, cluster 0
         with FlopCounterMode(display=False) as counter:
-            objective(net, Batch(x, labels, torch.arange(micro_batch))).mean().backward()
+            objective(net, Batch(x, zeros, torch.arange(micro_batch), cluster=zeros)).mean().backward()
     return counter.get_total_flops() / micro_batch
 
 

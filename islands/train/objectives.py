@@ -9,6 +9,8 @@ its accuracy by t), so the trainer picks its reporters without asking which obje
 """
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -25,25 +27,34 @@ from islands.flow.timesteps import TimeSampler
 REPORT_TIMES = 10  # the t of the router's report: 0.05, 0.15, ..., 0.95
 
 
-def draw(seed: int, batch: Batch, times=None, labels: torch.Tensor | None = None, num_classes: int = 0,
-         label_dropout: float = 0.0):
-    """Each example's noise, time and (dropped) label, keyed on its stream position: (noise, t, cond), on the
+def draw(seed: int, batch: Batch, times=None, condition=None, dropout: float = 0.0):
+    """Each example's noise, time and (dropped) condition, keyed on its stream position: (noise, t, cond), on the
     examples' device. The batch's own draws where the loader made them, else drawn from its positions.
 
-    `times` maps uniforms to training times (a `TimeSampler`; None: the uniform itself). Dropped labels become
-    `num_classes`, the "no label" token, so that the network also learns the unconditional velocity guidance
-    needs; without labels or classes, cond is None.
+    `times` maps uniforms to training times (a `TimeSampler`; None: the uniform itself). `condition` is the
+    network's condition module (islands/nets/condition.py), which says what a dropped condition is, so that the
+    network also learns the unconditional velocity guidance needs; for an unconditional network (None), cond is None.
     """
-    x0, conditional = batch.x, labels is not None and num_classes > 0
-    batch = batch.drawn(seed, labelled=conditional)
+    x0 = batch.x
+    batch = batch.drawn(seed, conditioned=condition is not None)
     noise = batch.noise.to(x0)
     u = batch.u_time.to(x0.device)
     t = (u if times is None else times(u)).to(x0)
     cond = None
-    if conditional:
-        drop = batch.u_drop.to(x0.device) < label_dropout
-        cond = torch.where(drop, torch.full_like(labels, num_classes), labels)
+    if condition is not None:
+        cond = condition.drop(batch.condition, batch.u_drop.to(x0.device) < dropout)
     return noise, t, cond
+
+
+@dataclass(frozen=True)
+class Regression:
+    """An objective's loss as a regression of the network's output on a target, for strategies that feed the network
+    and score its output on different ranks (pipeline stages): the network's inputs, the target, and
+    loss(output, target) -> the per-example loss, which may be called on any part of the rows."""
+
+    inputs: tuple
+    target: torch.Tensor
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def canonical_x_t(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -53,100 +64,101 @@ def canonical_x_t(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tor
 
 class Objective(ABC):
     produces: ClassVar[str] = "denoiser"
+    condition = None  # the network's condition module, set by `prepare`; None: unconditional
 
     @abstractmethod
     def __call__(self, net, batch: Batch) -> torch.Tensor:
         """The per-example loss (B,)."""
 
-    def prepare(self, net: torch.nn.Module) -> None:  # noqa: B027 -- a hook most objectives leave empty
-        """Set what the network needs from the data before training (nothing, unless the objective says)."""
+    def prepare(self, net: torch.nn.Module) -> None:
+        """Take from the (unwrapped) network what the objective needs before training: how it drops its condition
+        (islands/nets/condition.py); a router also its prior."""
+        self.condition = net.condition
 
-    def validation_loss(self, net, x0: torch.Tensor, labels: torch.Tensor | None, times: int) -> list[float] | None:
+    def conditions(self, batch: Batch) -> torch.Tensor | None:
+        """The batch's conditions as the network takes them (no dropout), or None for an unconditional network."""
+        return None if self.condition is None else batch.condition
+
+    def validation_loss(self, net, probe: Batch, times: int) -> list[float] | None:
         """The data loss on a fixed probe at `times` stratified times; None where the objective has no data loss."""
         return None
 
-    def inputs_and_target(self, batch: Batch):
-        """(the network's inputs, the target its output is scored against by `loss_of`), for strategies that feed
-        the network and score its output on different ranks (pipeline stages); None where the loss is not a
-        regression of the network's output."""
+    def regression(self, batch: Batch) -> Regression | None:
+        """The loss as a regression of the network's output (for pipeline stages); None where it is not one."""
         return None
 
-    loss_of = staticmethod(regression_loss)  # (output, target) -> the per-example loss, with inputs_and_target
+    loss_of = staticmethod(regression_loss)  # (output, target) -> the per-example loss of a `Regression`
 
 
 class DiffusionObjective(Objective):
     """The network regresses its own prediction target on its own path (islands/flow/objectives.py)."""
 
-    def __init__(self, path, prediction: str, times: TimeSampler, seed: int, num_classes: int, label_dropout: float):
+    def __init__(self, path, prediction: str, times: TimeSampler, seed: int, label_dropout: float):
         self.path, self.prediction, self.times = path, prediction, times
-        self.seed, self.num_classes, self.label_dropout = seed, num_classes, label_dropout
+        self.seed, self.label_dropout = seed, label_dropout
 
     def __call__(self, net, batch):
-        inputs, target = self.inputs_and_target(batch)
-        return self.loss_of(net(*inputs), target)
+        regression = self.regression(batch)
+        return regression.loss(net(*regression.inputs), regression.target)
 
-    def inputs_and_target(self, batch):
-        noise, tau, cond = draw(self.seed, batch, self.times, batch.labels, self.num_classes, self.label_dropout)
+    def regression(self, batch):
+        noise, tau, cond = draw(self.seed, batch, self.times, self.condition, self.label_dropout)
         x, target = training_pair(self.path, self.prediction, batch.x, noise, tau)
-        return (x, tau) if cond is None else (x, tau, cond), target
+        return Regression((x, tau) if cond is None else (x, tau, cond), target, self.loss_of)
 
     def denoiser(self, net) -> NetworkDenoiser:
         return NetworkDenoiser(net, self.path, self.prediction)
 
     @torch.no_grad()
-    def validation_loss(self, net, x0, labels, times):
-        """Mean loss at each of `times` stratified times, on fixed examples with fixed noise and no label
+    def validation_loss(self, net, probe, times):
+        """Mean loss at each of `times` stratified times, on fixed examples with fixed noise and no condition
         dropout: the same probe at every evaluation, so its changes are the model's, not the draw's."""
+        x0, cond = probe.x, self.conditions(probe)
         noise = streams.normal(self.seed, list(range(len(x0))), tuple(x0.shape[1:]), "validation").to(x0)
         losses = []
         for stratum in self.times.strata(times):
             tau = torch.full((len(x0),), stratum).to(x0)
-            losses.append(training_loss(net, self.path, self.prediction, x0, noise, tau, labels).mean().item())
+            losses.append(training_loss(net, self.path, self.prediction, x0, noise, tau, cond).mean().item())
         return losses
 
 
 class RouterObjective(Objective):
     """Cross-entropy against the cluster of training examples noised along the canonical path (McAllister et al.
-    2025, section 3.2). Examples arrive labelled class * K + cluster (islands/data/clusters.py); the router sees x_t
-    at a uniform canonical t and the class, with the denoisers' label dropout, so that it also routes unconditional
-    and guided sampling. Its logits are anchored at the partition's p(cluster | class) (`prior`)."""
+    2025, section 3.2). Examples arrive with their cluster (`Batch.cluster`, islands/data/clusters.py); the router
+    sees x_t at a uniform canonical t and the condition, with the denoisers' condition dropout, so that it also routes
+    unconditional and guided sampling. Its logits are anchored at the partition's p(cluster | class) (`prior`)."""
 
     produces: ClassVar[str] = "router"
 
-    def __init__(self, seed: int, clusters: int, num_classes: int, label_dropout: float,
-                 prior: torch.Tensor | None = None):
-        self.seed, self.k, self.num_classes, self.label_dropout = seed, clusters, num_classes, label_dropout
-        self.prior = prior
+    def __init__(self, seed: int, clusters: int, label_dropout: float, prior: torch.Tensor | None = None):
+        self.seed, self.k, self.label_dropout, self.prior = seed, clusters, label_dropout, prior
 
     def prepare(self, net):
+        super().prepare(net)
         if self.prior is not None:
             net.anchor.set_prior(self.prior)
 
-    def split(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(cluster, class or None) from the combined label."""
-        return labels % self.k, (labels // self.k if self.num_classes else None)
-
     def __call__(self, net, batch):
-        cluster, cls = self.split(batch.labels)
-        noise, t, cls = draw(self.seed, batch, None, cls, self.num_classes, self.label_dropout)
-        return F.cross_entropy(net(canonical_x_t(batch.x, noise, t), t, cls).float(), cluster, reduction="none")
+        noise, t, cond = draw(self.seed, batch, None, self.condition, self.label_dropout)
+        return F.cross_entropy(net(canonical_x_t(batch.x, noise, t), t, cond).float(), batch.cluster,
+                               reduction="none")
 
     @torch.no_grad()
-    def report_by_t(self, net, x0: torch.Tensor, labels: torch.Tensor, exact=None) -> dict:
-        """Top-1 accuracy on fixed examples and noise at t = (b + 0.5) / REPORT_TIMES, with the class given; with
-        `exact` (the data's exact cluster posterior, islands.data.posterior), the router's calibration against it
-        at each t too."""
+    def report_by_t(self, net, probe: Batch, exact=None) -> dict:
+        """Top-1 accuracy on fixed examples (their cluster in `probe.cluster`) and noise at t = (b + 0.5) /
+        REPORT_TIMES, with the condition given; with `exact` (the data's exact cluster posterior,
+        islands.data.posterior), the router's calibration against it at each t too."""
+        x0, cluster, cond = probe.x, probe.cluster, self.conditions(probe)
         noise = streams.normal(self.seed, list(range(len(x0))), tuple(x0.shape[1:]), "validation").to(x0)
-        cluster, cls = self.split(labels)
         report = {"t": [], "accuracy": []}
         for b in range(REPORT_TIMES):
             t = torch.full((len(x0),), (b + 0.5) / REPORT_TIMES, dtype=x0.dtype, device=x0.device)
             x_t = canonical_x_t(x0, noise, t)
-            probs = net(x_t, t, cls).float().softmax(1)
+            probs = net(x_t, t, cond).float().softmax(1)
             report["t"].append(t[0].item())
             report["accuracy"].append((probs.argmax(1) == cluster).double().mean().item())
             if exact is not None:
-                for name, value in calibration(probs, exact(x_t, t, cls), cluster).items():
+                for name, value in calibration(probs, exact(x_t, t, cond), cluster).items():
                     report.setdefault(name, []).append(value)
         report["majority_cluster_share"] = torch.bincount(cluster, minlength=self.k).max().item() / len(cluster)
         return report
@@ -175,30 +187,27 @@ def calibration(probs: torch.Tensor, exact: torch.Tensor, clusters: torch.Tensor
 class DistillObjective(DiffusionObjective):
     """Distillation of an ensemble into one student (McAllister et al. 2025): at x_t on the canonical path,
     || v_student(x_t, t) - v_teacher(x_t, t) ||^2, where the teacher is the expert of the training image's own
-    cluster (ancestral routing of the `Mixture`, each image assigned its own cluster), or the routed mixture
-    itself. Both see the same class label, dropped to "none" at the student's label-dropout rate so the student
-    also learns guidance. The teacher is a `Denoiser` built by the caller: training knows nothing of ensembles."""
+    cluster (ancestral routing of the `Mixture`, each image assigned its own cluster, `Batch.cluster`), or the routed
+    mixture itself. Both see the same condition, dropped to "none" at the student's dropout rate so the student also
+    learns guidance. The teacher is a `Denoiser` built by the caller: training knows nothing of ensembles."""
 
-    def __init__(self, path, prediction: str, times: TimeSampler, seed: int, num_classes: int, label_dropout: float,
-                 teacher, clusters: int):
-        super().__init__(path, prediction, times, seed, num_classes, label_dropout)
-        self.teacher, self.k = teacher, clusters
+    def __init__(self, path, prediction: str, times: TimeSampler, seed: int, label_dropout: float, teacher):
+        super().__init__(path, prediction, times, seed, label_dropout)
+        self.teacher = teacher
         self.own_cluster = getattr(getattr(teacher, "routing", None), "policy", None) == "ancestral"
 
     def __call__(self, net, batch):
-        cluster, cls = batch.labels % self.k, (batch.labels // self.k if self.num_classes else None)
-        noise, t, cond = draw(self.seed, batch, self.times, cls, self.num_classes, self.label_dropout)
+        noise, t, cond = draw(self.seed, batch, self.times, self.condition, self.label_dropout)
         x_t = canonical_x_t(batch.x, noise, t)
         with torch.no_grad():
-            if self.own_cluster:
-                self.teacher.assign(cluster)
-            target = self.teacher(x_t, t, cond)
+            teacher = self.teacher.assigned(batch.cluster) if self.own_cluster else self.teacher
+            target = teacher(x_t, t, cond)
         return (self.denoiser(net)(x_t, t, cond) - target).square().flatten(1).mean(1)
 
-    def validation_loss(self, net, x0, labels, times):
+    def validation_loss(self, net, probe, times):
         return None  # a student learns its teacher, not the data: it has no data loss to probe
 
-    def inputs_and_target(self, batch):
+    def regression(self, batch):
         return None  # the teacher's velocity is compared with the student's, not with its raw output
 
 
@@ -208,15 +217,14 @@ def time_sampler(flow, discrete: bool = True) -> TimeSampler:
     return TimeSampler(flow.time_sampler, *flow.t_range, flow.logit_mean, flow.logit_std, steps)
 
 
-def build_objective(cfg, num_classes: int, teacher=None, clusters: int = 0) -> Objective:
-    """The objective `cfg.train.objective` names. A student needs its `teacher` (a `Denoiser`) and the data's
-    number of `clusters`; a router reads its prior from the partition."""
+def build_objective(cfg, teacher=None) -> Objective:
+    """The objective `cfg.train.objective` names. A student needs its `teacher` (a `Denoiser`); a router reads its
+    prior from the partition. `prepare(net)` hands it the network's condition before training."""
     seed, dropout = cfg.seed, cfg.train.label_dropout
     if cfg.train.objective == "router":
-        prior = read_prior_table(cfg.data.partition, num_classes)
-        return RouterObjective(seed, cfg.model.outputs, num_classes, dropout, prior)
+        prior = read_prior_table(cfg.data.partition, cfg.model.num_classes)
+        return RouterObjective(seed, cfg.model.outputs, dropout, prior)
     path = build_path(cfg.flow.path, **cfg.flow.path_options())
     if cfg.train.objective == "diffusion":
-        return DiffusionObjective(path, cfg.flow.prediction, time_sampler(cfg.flow), seed, num_classes, dropout)
-    return DistillObjective(path, cfg.flow.prediction, time_sampler(cfg.flow, discrete=False), seed, num_classes,
-                            dropout, teacher, clusters)
+        return DiffusionObjective(path, cfg.flow.prediction, time_sampler(cfg.flow), seed, dropout)
+    return DistillObjective(path, cfg.flow.prediction, time_sampler(cfg.flow, discrete=False), seed, dropout, teacher)

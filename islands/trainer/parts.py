@@ -12,6 +12,7 @@ from islands.config import Config
 from islands.data import ClusterSubset, build_data, data_name
 from islands.data.clusters import read_clusters
 from islands.data.sources import Source
+from islands.data.space import PIXELS, DataSpace
 from islands.errors import CheckpointError, ConfigError, IslandsWarning, config_errors
 from islands.generate import network_with_weights
 from islands.nets import build_network
@@ -57,6 +58,7 @@ class Parts:
     ema: EMA | None
     scaler: torch.amp.GradScaler
     objective: Objective
+    space: DataSpace = PIXELS  # between the data and the objective, and the samples and what people see
 
     @property
     def main(self) -> bool:
@@ -192,9 +194,8 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     if train.objective == "distill" and teacher is None:  # the ensemble belongs to an outer layer, which builds it
         raise ConfigError("train.objective: 'distill' needs its teacher, the ensemble; run 'islands distill' or "
                           "'islands train' on the student's config")
-    clusters = getattr(source, "num_clusters", 0)  # examples seen through a partition are labelled by cluster too
-    objective = build_objective(cfg, num_classes, teacher and teacher(cfg, world.device), clusters)
-    objective.prepare(net)
+    objective = build_objective(cfg, teacher and teacher(cfg, world.device))
+    objective.prepare(net)  # how the network drops its condition; a router's prior
     with config_errors("parallel"):  # a network a pipeline cannot cut
         model = strategy.wrap(net)
     opt = strategy.optimizer(net, train.optimizer, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)

@@ -15,9 +15,10 @@ import torch
 from tqdm import tqdm
 
 from islands.data import judged_on, streams
+from islands.data.batch import Batch
 from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
 from islands.eval.evaluate import Evaluator, generated
-from islands.generate import generate, run_sample_options, sample_labels
+from islands.generate import Sampler, run_sample_options
 from islands.images import save_curve, save_samples_picture
 from islands.rundir import atomic_write_text
 from islands.train.logbook import Logbook
@@ -119,10 +120,20 @@ class Checkpointer(Reporter):
         self.parts.world.barrier()
 
 
-def fixed_probe(parts: Parts, size: int):
-    """A fixed random subset of the data (some sources are sorted by class)."""
+def fixed_probe(parts: Parts, size: int) -> Batch:
+    """A fixed random subset of the data (some sources are sorted by class), on the run's device."""
     order = torch.randperm(len(parts.source), generator=streams.generator(parts.cfg.seed, 0, "validation"))
-    return parts.source.get(order[:size].tolist())
+    indices = order[:size].tolist()
+    x, condition = parts.source.get(indices)
+    if condition is None:
+        condition = torch.full((len(x),), -1, dtype=torch.long)
+    return Batch(x, condition, order[:size], cluster=parts.source.clusters_of(indices)).to(parts.world.device)
+
+
+def sampler_of(parts: Parts, plain: torch.nn.Module) -> Sampler:
+    """The network `plain` (a plain copy of the run's) opened for sampling as the run's samples are drawn."""
+    opts = run_sample_options(parts.cfg.sample, parts.cfg, parts.world.device)
+    return Sampler(parts.objective.denoiser(plain), parts.cfg, parts.shape, parts.num_classes, opts, space=parts.space)
 
 
 class SampleGrid(Reporter):
@@ -137,9 +148,8 @@ class SampleGrid(Reporter):
         if plain is None:
             return
         num = min(p.cfg.sample.num, 64 if len(p.shape) == 3 else 2000)  # a legible grid, or a dense scatter
-        opts = run_sample_options(p.cfg.sample, p.cfg, p.world.device)
-        x = generate(p.objective.denoiser(plain), p.shape, num, opts, p.cfg.seed,
-                     sample_labels(num, p.num_classes), device=p.world.device)
+        sampler = sampler_of(p, plain)
+        x = sampler.generate(num, sampler.labels(num), device=p.world.device)
         reference = p.source.get(list(range(min(len(p.source), 2000))))[0] if len(p.shape) == 1 else None
         images = step.progress.images
         save_samples_picture(x, p.run_dir / "samples" / f"{images:012d}.png", reference, f"{images} images")
@@ -162,20 +172,16 @@ class Evaluation(Reporter):
         record = {"images": step.progress.images}
         if cfg.eval.val_size:
             self.probe = self.probe or fixed_probe(p, cfg.eval.val_size)
-            x0, labels = self.probe
-            by_t = p.objective.validation_loss(plain, x0.to(p.world.device),
-                                               labels.to(p.world.device) if p.num_classes else None,
-                                               cfg.eval.val_times)
+            by_t = p.objective.validation_loss(plain, self.probe, cfg.eval.val_times)
             if by_t is not None:
                 record.update(val_loss=sum(by_t) / len(by_t), val_loss_by_t=by_t)
         if cfg.eval.metrics != []:
             self.evaluator = self.evaluator or Evaluator(judged_on(p.source), cfg.eval, cfg.seed,
                                                          device=p.world.device)
-            denoiser = p.objective.denoiser(plain)  # on the run's device, as are its samples' noise and labels
-            opts = run_sample_options(cfg.sample, cfg, p.world.device)
-            batches = generated(denoiser, p.shape, cfg.eval.num, opts, cfg.seed, p.num_classes,
-                                device=p.world.device)
-            record.update({k: v for k, v in self.evaluator(batches, denoiser).items() if isinstance(v, (int, float))})
+            sampler = sampler_of(p, plain)  # on the run's device, as are its samples' noise and labels
+            batches = generated(sampler, cfg.eval.num, device=p.world.device)
+            record.update({k: v for k, v in self.evaluator(batches, sampler.denoiser).items()
+                           if isinstance(v, (int, float))})
         self.log.write(record)
 
     def close(self) -> None:
@@ -196,12 +202,10 @@ class RouterAccuracy(Reporter):
         plain = p.plain_copy()
         if plain is None:
             return
-        x0, labels = fixed_probe(p, min(len(p.source), 2000))
+        probe = fixed_probe(p, min(len(p.source), 2000))
         if self.exact is None and len(p.source) * math.prod(p.shape) <= EXACT_POSTERIOR_LIMIT:
             self.exact = exact_cluster_posterior(p.source, p.cfg.model.outputs, p.num_classes)
-        device = p.world.device
-        report = {"images": step.progress.images,
-                  **p.objective.report_by_t(plain, x0.to(device), labels.to(device), self.exact)}
+        report = {"images": step.progress.images, **p.objective.report_by_t(plain, probe, self.exact)}
         atomic_write_text(p.run_dir / "router_accuracy.json", json.dumps(report, indent=1))
         curves = {"top-1 accuracy": report["accuracy"]}
         if "tv" in report:

@@ -1,0 +1,32 @@
+"""The space the network works in, seen from the data: the one seam between the examples a source reads and what the
+objective trains on, and between the samples a sampler draws and the pictures, metrics and samples.npz people see.
+
+Pixels today: both ways the identity. An autoencoder stage (latent diffusion) is another `DataSpace`: `encode` maps a
+batch of examples to latents before the objective (or a source reads latents precomputed, and `encode` stays the
+identity), `decode` maps samples back to images before anything looks at them.
+"""
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from islands.data.batch import Batch
+
+
+@dataclass(frozen=True)
+class DataSpace:
+    """The identity: the network works on the examples themselves."""
+
+    name: str = "pixels"
+
+    def encode(self, batch: Batch) -> Batch:
+        """The batch as the objective trains on it. (An encoder that changes the examples' shape drops the noise the
+        loader drew for the old shape, `noise=None`: the objective then draws it from the positions, `Batch.drawn`.)"""
+        return batch
+
+    def decode(self, samples: Tensor) -> Tensor:
+        """Samples in the data's own space, for pictures, metrics and samples.npz."""
+        return samples
+
+
+PIXELS = DataSpace()
