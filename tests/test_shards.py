@@ -102,7 +102,7 @@ def _stream(source, positions: int, batch: int, start: int = 0, world: int = 1, 
                                     flip=True))
         for _ in range((positions - start) // batch):
             b = next(loader)
-            seen.update({int(p): (b.x[i], int(b.labels[i]), b.noise[i]) for i, p in enumerate(b.positions)})
+            seen.update({int(p): (b.x[i], int(b.condition[i]), b.noise[i]) for i, p in enumerate(b.positions)})
     return seen
 
 
