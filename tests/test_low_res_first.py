@@ -159,6 +159,9 @@ def test_a_14x14_dit_goes_on_at_28x28_with_every_weight_but_its_positions_as_it_
     denoiser, _, _ = load_denoiser(high)
     assert torch.equal(denoiser.net.pos_embed, loaded["pos_embed"])
     assert not torch.allclose(denoiser.net.pos_embed, sincos_2d(14, 32).unsqueeze(0))
+    # and a resume, which builds the network afresh (its default positions) and fills it from the checkpoint
+    train(tiny_dit(tmp_path / "high", image_npz, 28, init_from=str(low), lr=1e-12, images=24), progress=False)
+    assert torch.equal(load_denoiser(high)[0].net.pos_embed, loaded["pos_embed"])
 
 
 def test_a_unet_goes_on_at_twice_the_size_as_it_was_and_a_weight_that_does_not_fit_is_named(tmp_path, image_npz):
