@@ -158,6 +158,10 @@ class _Flow(Section):
     # Timestep-range experts: boundaries in canonical t from 0 to 1; `islands train CONFIG tstage=I` trains expert I
     # on [t_ranges[I], t_ranges[I + 1]] (its t_range, in the path's own time), and `islands sample` gates them by t.
     t_ranges: list[float] | None = None
+    # SD3's resolution shift of the training times (Esser et al. 2024, eq. 23): t -> a t / (1 + (a - 1) t), for
+    # images of a times the side of those the schedule suits (a run continued at 28x28 from one at 14x14: 2); the
+    # samples of the run shift their time grid alike (sample.time_shift). 1: no shift.
+    time_shift: float = Field(1.0, gt=0)
 
     @model_validator(mode="after")
     def _check_range(self):
@@ -165,6 +169,8 @@ class _Flow(Section):
         if not 0.0 <= lo < hi <= 1.0:
             raise ValueError(f"t_range: must satisfy 0 <= lo < hi <= 1, got {list(self.t_range)}")
         _check_boundaries(self.t_ranges)
+        if self.time_shift != 1 and self.path != "rectified_flow":  # the training times are the path's own
+            raise ValueError(f"time_shift: SD3's shift is defined on rectified-flow time, not on {self.path!r}'s own")
         return self
 
     def path_options(self) -> dict:
@@ -263,6 +269,8 @@ class SampleConfig(Section):
     # bf16: the networks' matmuls under autocast, the ODE in fp32; auto: bf16 where the run trained in bf16 and the
     # sampling device computes bf16 natively, else fp32 (resolved by generate.run_sample_options)
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # SD3's resolution shift of the time grid (islands.flow.timesteps.shift_time); None: the run's flow.time_shift
+    time_shift: float | None = Field(None, gt=0)
 
 
 # The fewest samples a metric is computed from: KID's standard error needs 4; precision/recall's radius is each
@@ -461,6 +469,8 @@ class Config(Section):
         """Defaults that depend on another section, filled in so that the resolved config states them."""
         if self.flow.time_sampler is None:
             self.flow.time_sampler = "uniform" if self.model.arch == "mlp" else "logit_normal"
+        if self.sample.time_shift is None:  # samples move their times as the training times were moved
+            self.sample.time_shift = self.flow.time_shift
         return self
 
     @model_validator(mode="after")

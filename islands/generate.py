@@ -163,7 +163,7 @@ def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleC
         drawing = denoiser if for_batch is None else for_batch(first + lo, first + hi, cond)
         with sampling_precision(opts.precision, noise.device):
             x = sample(drawing, noise, steps=opts.steps, solver=opts.solver, grid=opts.grid,
-                       guidance=opts.guidance, cond=cond)
+                       guidance=opts.guidance, cond=cond, time_shift=opts.time_shift or 1.0)  # None: no run's
         out.append(x.float().cpu())
         bar.update(hi - lo)
     bar.close()

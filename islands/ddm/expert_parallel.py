@@ -23,7 +23,7 @@ from islands.ddm.mixture import Mixture, MixtureView
 from islands.ddm.time_gate import TimeGate
 from islands.errors import ConfigError
 from islands.flow.denoiser import broadcast
-from islands.flow.samplers import HEUN_T_MIN, euler, guided, heun, time_grid, with_boundaries
+from islands.flow.samplers import euler, guided, heun, solver_grid
 from islands.generate import generate, sampling_precision
 from islands.parallel.expert_parallel import exchange, receive_from, send_to
 from islands.parallel.launch import World
@@ -127,8 +127,7 @@ def sample_range_pipeline(gate: TimeGate, shape: tuple, num: int, opts, seed: in
     solve = {"euler": euler, "heun": heun}[opts.solver]
     index = len(gate.experts) - 1 - world.rank  # rank 0 the noisiest range
     lo, hi = gate.boundaries[index], gate.boundaries[index + 1]
-    grid = with_boundaries(time_grid(opts.steps, opts.grid, t_min=HEUN_T_MIN if opts.solver == "heun" else 0.0),
-                           gate.time_boundaries)
+    grid = solver_grid(opts.steps, opts.grid, opts.solver, opts.time_shift or 1.0, gate.time_boundaries)
     segment = grid[(grid >= lo) & (grid <= hi)]
     field = guided(gate.experts[index], opts.guidance)
     batches = [(b, min(num, b + opts.batch_size)) for b in range(0, num, opts.batch_size)]

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from islands.flow.denoiser import Denoiser, GuidesItself, SplitInTime
+from islands.flow.timesteps import shift_time
 
 SOLVERS = ("euler", "heun", "dpm2m", "unipc")
 GRIDS = ("uniform", "edm", "shifted", "logsnr")
@@ -71,8 +72,7 @@ def time_grid(steps: int, kind: str = "uniform", shift: float = 3.0, rho: float 
     if kind == "uniform":
         return _fractions(steps, t_min)
     if kind == "shifted":
-        u = _fractions(steps, t_min)
-        return shift * u / (1 + (shift - 1) * u)
+        return shift_time(_fractions(steps, t_min), shift)
     if kind == "edm":
         smax, smin = 80.0 ** (1 / rho), 0.002 ** (1 / rho)
         i = torch.arange(steps, dtype=torch.float64)
@@ -89,6 +89,16 @@ def time_grid(steps: int, kind: str = "uniform", shift: float = 3.0, rho: float 
         one, zero = torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
         return torch.cat([one, torch.sigmoid(-lam), zero])  # t = 1 / (1 + e^lambda)
     raise ValueError(f"unknown time grid {kind!r}; choose from {GRIDS}")
+
+
+def solver_grid(steps: int, grid: str, solver: str, time_shift: float = 1.0, boundaries=()) -> Tensor:
+    """The times `sample` steps through: the `grid` (ending at HEUN_T_MIN for heun), shifted by `time_shift` (SD3's
+    resolution shift, Esser et al. 2024 eq. 23, the one the network trained with: islands.flow.timesteps.shift_time),
+    with `boundaries` put in exactly."""
+    ts = time_grid(steps, grid, t_min=HEUN_T_MIN if solver == "heun" else 0.0)
+    if time_shift != 1:
+        ts = shift_time(ts, time_shift)
+    return with_boundaries(ts, boundaries)
 
 
 def with_boundaries(grid: Tensor, boundaries) -> Tensor:
@@ -280,8 +290,10 @@ def sample(
     grid: str = "uniform",
     guidance: float = 1.0,
     cond: Tensor | None = None,
+    time_shift: float = 1.0,
 ) -> Tensor:
-    """Integrate dx/dt = v(x, t) from noise at t = 1 to t = 0 and return the samples."""
+    """Integrate dx/dt = v(x, t) from noise at t = 1 to t = 0 and return the samples. `time_shift` moves the grid's
+    times towards noise as the network's training times were moved (`solver_grid`)."""
     if solver not in _SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose from {SOLVERS}")
     # A denoiser made of timestep-range experts says where they hand over (`time_boundaries`) and which denoiser
@@ -289,7 +301,7 @@ def sample(
     # of the grid with its own expert, so no step, not even Heun's corrector on a boundary, mixes two experts (and
     # a multistep solver starts its history again in each range).
     bounds = sorted(denoiser.time_boundaries) if isinstance(denoiser, SplitInTime) else []
-    ts = with_boundaries(time_grid(steps, grid, t_min=HEUN_T_MIN if solver == "heun" else 0.0), bounds)
+    ts = solver_grid(steps, grid, solver, time_shift, bounds)
     if not bounds:
         return _SOLVERS[solver](_velocity(denoiser, guidance, cond), noise, ts)
     edges = [0.0, *bounds, 1.0]

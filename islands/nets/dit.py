@@ -5,6 +5,8 @@ adaLN-Zero transformer blocks conditioned on time (+ class), a final adaptive la
 The output has the input's channels (no learned variance).
 """
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -28,13 +30,32 @@ def sincos_1d(pos, dim):
     return torch.cat([torch.sin(args), torch.cos(args)], dim=1)
 
 
-def sincos_2d(grid_size, dim):
+def sincos_2d(grid_size, dim, scale=1.0):
     """(grid_size**2, dim) fixed positional embedding: half the features encode the column,
-    half the row, in row-major token order (as in MAE, He et al. 2022, and DiT)."""
-    coords = torch.arange(grid_size, dtype=torch.float64)
+    half the row, in row-major token order (as in MAE, He et al. 2022, and DiT). Token i sits at
+    position (i + 0.5) * scale - 0.5: with scale = g / grid_size the tokens span the extent of a
+    g-token grid, its embedding interpolated (`interpolated_pos_embed`); scale 1 gives positions 0, 1, ..."""
+    coords = (torch.arange(grid_size, dtype=torch.float64) + 0.5) * scale - 0.5
     rows, cols = torch.meshgrid(coords, coords, indexing="ij")
     emb = torch.cat([sincos_1d(cols.flatten(), dim // 2), sincos_1d(rows.flatten(), dim // 2)], dim=1)
     return emb.float()
+
+
+def interpolated_pos_embed(pos_embed, grid_size):
+    """A DiT's (1, g * g, D) position embedding for a grid of grid_size tokens, each token at the place it takes in
+    the image (centres aligned, as bicubic resizing with align_corners=False aligns them): a run trained on smaller
+    images goes on at a larger size with every position meaning the same part of the picture. The embedding is
+    fixed sin-cos, so it is computed at those places exactly rather than resized bicubically (as a learned one
+    would be, Dosovitskiy et al. 2021); the scale of the given embedding (1, or less if it was itself interpolated)
+    is read from its first token's column, whose first feature pair is (sin p, cos p) at p = (scale - 1) / 2."""
+    g, dim = math.isqrt(pos_embed.shape[1]), pos_embed.shape[2]
+    if g == grid_size:
+        return pos_embed
+    first = pos_embed[0, 0].double()
+    scale = 2 * math.atan2(first[0], first[dim // 4]) + 1
+    if not torch.allclose(pos_embed[0].double(), sincos_2d(g, dim, scale).double(), atol=1e-4):
+        raise ValueError(f"pos_embed: not the sin-cos embedding of a {g}x{g} grid")
+    return sincos_2d(grid_size, dim, scale * g / grid_size).unsqueeze(0)
 
 
 class Attention(nn.Module):

@@ -214,7 +214,7 @@ class DistillObjective(DiffusionObjective):
 def time_sampler(flow, discrete: bool = True) -> TimeSampler:
     """The training times of a `FlowConfig`; a DDPM path (vp_discrete) trains on its integer steps."""
     steps = flow.train_steps if discrete and flow.path == "vp_discrete" else None
-    return TimeSampler(flow.time_sampler, *flow.t_range, flow.logit_mean, flow.logit_std, steps)
+    return TimeSampler(flow.time_sampler, *flow.t_range, flow.logit_mean, flow.logit_std, steps, flow.time_shift)
 
 
 def build_objective(cfg, teacher=None) -> Objective:

@@ -16,6 +16,7 @@ from islands.data.space import PIXELS, DataSpace
 from islands.errors import CheckpointError, ConfigError, IslandsWarning, config_errors
 from islands.generate import network_with_weights
 from islands.nets import build_network
+from islands.nets.dit import DiT, interpolated_pos_embed
 from islands.parallel.build import build_strategy
 from islands.parallel.launch import World, warn_if_bf16_is_slow
 from islands.parallel.strategies import Strategy
@@ -227,15 +228,30 @@ def agreed(world: World, read) -> str | None:
 
 
 def start_from(net: torch.nn.Module, run_dir: Path) -> None:
-    """Put the latest weights of another run (its EMA, if any) into `net` (train.init_from)."""
+    """Put the latest weights of another run (its EMA, if any) into `net` (train.init_from). The run may have trained
+    on smaller images: convolutions (the U-Net, a DiT's patches) take any size as they are, and a DiT's position
+    embedding is interpolated to its new grid; any other difference of names or shapes is refused by name, so that
+    no weight is dropped or left at its initialisation unnoticed."""
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise ConfigError(f"train.init_from: {run_dir} has no complete checkpoint")
-    try:
-        net.load_state_dict(load_weights(weights_file(ckpt)))
-    except RuntimeError as err:  # other keys or shapes: another network
-        reason = " ".join(str(err).split())[:300]
-        raise ConfigError(f"train.init_from: the weights of {run_dir} do not fit this model ({reason})") from None
+    weights, own = load_weights(weights_file(ckpt)), net.state_dict()
+    unfit = f"train.init_from: the weights of {run_dir} do not fit this model"
+    missing, extra = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
+    if missing or extra:
+        said = ([f"it has no {missing[0]}"] if missing else []) + ([f"this model has no {extra[0]}"] if extra else [])
+        raise ConfigError(f"{unfit}: {'; '.join(said)} ({len(missing) + len(extra)} names differ)")
+    for name in sorted(weights):
+        there, here = tuple(weights[name].shape), tuple(own[name].shape)
+        if there == here:
+            continue
+        if not (isinstance(net, DiT) and name == "pos_embed"):
+            raise ConfigError(f"{unfit}: {name} is {there} there, {here} here")
+        try:  # a DiT trained on images of another size
+            weights[name] = interpolated_pos_embed(weights[name], net.grid_size)
+        except ValueError as err:
+            raise ConfigError(f"{unfit}: {err}") from None
+    net.load_state_dict(weights)
 
 
 def learning_rate(lr: float, warmup_images: int, batch: int, images: int) -> float:
