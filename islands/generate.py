@@ -28,6 +28,9 @@ from islands.rundir import atomic_write, describe_run, latest_checkpoint, load_w
 def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser, Config, dict]:
     """The latest complete checkpoint's network (its EMA when there is one) as a canonical `Denoiser`."""
     cfg, info = describe_run(run_dir)
+    if cfg.train.objective == "autoencoder":
+        raise CheckpointError(f"{run_dir} trained an autoencoder, which draws no samples; its weights are in "
+                              f"{Path(run_dir) / 'autoencoder'}")
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint yet")

@@ -212,6 +212,10 @@ def build_objective(cfg, num_classes: int, teacher=None, clusters: int = 0) -> O
     """The objective `cfg.train.objective` names. A student needs its `teacher` (a `Denoiser`) and the data's
     number of `clusters`; a router reads its prior from the partition."""
     seed, dropout = cfg.seed, cfg.train.label_dropout
+    if cfg.train.objective == "autoencoder":
+        from islands.train.autoencoder import AutoencoderObjective  # it imports this module's Objective
+
+        return AutoencoderObjective.from_config(cfg)
     if cfg.train.objective == "router":
         prior = read_prior_table(cfg.data.partition, num_classes)
         return RouterObjective(seed, cfg.model.outputs, num_classes, dropout, prior)

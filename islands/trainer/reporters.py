@@ -18,8 +18,9 @@ from islands.data import judged_on, streams
 from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
 from islands.eval.evaluate import Evaluator, generated
 from islands.generate import generate, run_sample_options, sample_labels
-from islands.images import save_curve, save_samples_picture
+from islands.images import save_curve, save_grid, save_samples_picture
 from islands.rundir import atomic_write_text
+from islands.train.autoencoder import export_autoencoder
 from islands.train.logbook import Logbook
 from islands.trainer.parts import Parts, Progress
 
@@ -210,8 +211,36 @@ class RouterAccuracy(Reporter):
         save_curve(report["t"], curves, p.run_dir / "router_accuracy.png", "t (0 data, 1 noise)", "", title)
 
 
+class AutoencoderExport(Reporter):
+    """With every checkpoint and at the end: the averaged weights as a diffusers folder, RUN/autoencoder; the fixed
+    probe's reconstruction error to eval.jsonl; up to 32 of its images above their reconstructions in samples/."""
+
+    def __init__(self, parts: Parts):
+        self.parts, self.every = parts, parts.cfg.train.checkpoint_every
+        self.log = Logbook(parts.run_dir, "eval") if parts.main else None
+        self.probe = None
+
+    def report(self, step: Step) -> None:
+        p = self.parts
+        plain = p.plain_copy()
+        if plain is None:
+            return
+        if self.probe is None:
+            self.probe = fixed_probe(p, min(len(p.source), 256))[0]
+        record, reconstruction = export_autoencoder(plain.vae, self.probe.to(p.world.device), p.run_dir, p.cfg.seed)
+        self.log.write({"images": step.progress.images, **record})
+        shown = min(len(self.probe), 32)
+        save_grid(torch.cat([self.probe[:shown], reconstruction[:shown].cpu()]),
+                  p.run_dir / "samples" / f"{step.progress.images:012d}.png", nrow=8)
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
 # What each kind of run reports beside its log and checkpoints (an objective's `produces`).
-PRODUCT_REPORTERS = {"denoiser": (SampleGrid, Evaluation), "router": (RouterAccuracy,)}
+PRODUCT_REPORTERS = {"denoiser": (SampleGrid, Evaluation), "router": (RouterAccuracy,),
+                     "autoencoder": (AutoencoderExport,)}
 
 
 def build_reporters(parts: Parts, initial: int, total: int, progress: bool) -> list[Reporter]:
