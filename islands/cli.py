@@ -67,6 +67,7 @@ def _sample(args) -> int:
     import torch
 
     from islands.generate import generate, load_denoiser, sample_labels, write_samples
+    from islands.train.latents import open_latent_stage
 
     if (Path(args.run_dir) / "ensemble.json").exists():
         return _sample_ensemble(args)
@@ -89,7 +90,9 @@ def _sample(args) -> int:
     seed = cfg.seed if args.seed is None else args.seed
     if args.distributed:  # under torchrun: one range expert per rank, batches flowing from the noisiest range on
         return _sample_distributed(args, denoiser, None, tuple(info["shape"]), opts, seed, labels)
-    x = generate(denoiser, tuple(info["shape"]), args.num, opts, seed, labels, progress=not args.quiet)
+    latents = open_latent_stage(cfg, Path(args.run_dir))  # a latent run's samples are written as images
+    x = generate(denoiser, tuple(info["shape"]), args.num, opts, seed, labels, progress=not args.quiet,
+                 decode=latents and latents.decode)
     for path in write_samples(x, labels, Path(args.out)):
         print(f"wrote {path}")
     return 0

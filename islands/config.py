@@ -36,6 +36,9 @@ class _Data(Section):
     cluster: int | None = Field(None, ge=0)
     # local_sgd, diloco: a partition folder (`islands partition`) whose cluster r is replica r's data (non-IID)
     shards: str | None = None
+    # latent diffusion: an AutoencoderKL folder (config.json + diffusion_pytorch_model.safetensors, a user's SD VAE or
+    # RUN/autoencoder of our own); each batch is encoded before the objective and samples are decoded
+    autoencoder: str | None = None
 
 
 class Mnist5kData(_Data):
@@ -464,6 +467,9 @@ class Config(Section):
         if (self.train.objective == "autoencoder") != (self.model.arch == "autoencoder_kl"):
             raise ValueError(f"train.objective: {self.train.objective!r} does not train model.arch "
                              f"{self.model.arch!r}; an autoencoder_kl is trained by objective 'autoencoder' only")
+        if self.data.autoencoder is not None and (self.train.objective != "diffusion" or self.data.source == "gmm"):
+            raise ValueError("data.autoencoder: latents are for a diffusion model of images (train.objective "
+                             f"diffusion, not {self.train.objective!r}; data.source not gmm)")
         return self
 
     @model_validator(mode="after")

@@ -98,10 +98,11 @@ def sampling_precision(precision: str, device: torch.device):
 @torch.no_grad()
 def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleConfig, seed: int,
              labels: torch.Tensor | None = None, first: int = 0, progress: bool = False,
-             device: torch.device | str = "cpu", prepare=None) -> torch.Tensor:
+             device: torch.device | str = "cpu", prepare=None, decode=None) -> torch.Tensor:
     """Samples first .. first + num - 1 of the stream keyed on `seed`, in batches of opts.batch_size.
     `prepare(lo, hi, labels)`, if given, is called before the samples lo .. hi - 1 are drawn, with their labels
-    (e.g. to fix each sample's expert for oracle routing)."""
+    (e.g. to fix each sample's expert for oracle routing). `decode`, if given, turns each batch of latents into
+    images (a latent run's `LatentStage.decode`), so what comes back is always what the data looks like."""
     launch.warn_if_bf16_is_slow("sample.precision", opts.precision, device)
     out = []
     bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
@@ -114,6 +115,8 @@ def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleC
         with sampling_precision(opts.precision, noise.device):
             x = sample(denoiser, noise, steps=opts.steps, solver=opts.solver, grid=opts.grid,
                        guidance=opts.guidance, cond=cond)
+        if decode is not None:
+            x = decode(x)
         out.append(x.float().cpu())
         bar.update(hi - lo)
     bar.close()

@@ -30,6 +30,7 @@ from islands.eval.features import (
 from islands.flow.denoiser import Denoiser
 from islands.generate import generate, load_denoiser, run_sample_options, sample_labels
 from islands.rundir import CONFIG, atomic_write_text, describe_run, is_run_dir, latest_checkpoint, read_npz
+from islands.train.latents import open_latent_stage
 
 SAMPLE_METRICS = ("fd", "kid", "precision_recall", "density_coverage", "class_balance")  # from samples alone
 EXACT_METRICS = ("nll", "swd", "mode_mass")  # Gaussian mixtures, from samples alone
@@ -164,15 +165,16 @@ class Evaluator:
 
 
 def generated(denoiser: Denoiser, shape: tuple, num: int, opts: SampleConfig, seed: int, num_classes: int,
-              progress: bool = False, prepare=None, device="cpu"):
+              progress: bool = False, prepare=None, device="cpu", decode=None):
     """Batches of (samples, labels) on the CPU from the per-sample noise stream, drawn by `denoiser` on `device`;
-    images clamped to the data range. `prepare` as in `generate`."""
+    images clamped to the data range. `prepare` and `decode` (latents to images) as in `generate`."""
     labels = sample_labels(num, num_classes)
     bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
     for lo in range(0, num, opts.batch_size):
         n = min(opts.batch_size, num - lo)
         batch_labels = None if labels is None else labels[lo:lo + n]
-        x = generate(denoiser, shape, n, opts, seed, batch_labels, first=lo, prepare=prepare, device=device)
+        x = generate(denoiser, shape, n, opts, seed, batch_labels, first=lo, prepare=prepare, device=device,
+                     decode=decode)
         bar.update(n)
         yield (x.clamp(-1, 1) if len(shape) == 3 else x), batch_labels
     bar.close()
@@ -241,7 +243,9 @@ def evaluate_target(target: Path, num: int | None = None, steps: int | None = No
             "steps": steps, "batch_size": batch_size}.items() if v is not None}), cfg)
         num = eval_cfg.num
         clock = {}
-        batches = generated(denoiser, tuple(info["shape"]), num, opts, cfg.seed, info["num_classes"], progress)
+        latents = open_latent_stage(cfg, run)  # a latent run's samples are judged as images
+        batches = generated(denoiser, tuple(info["shape"]), num, opts, cfg.seed, info["num_classes"], progress,
+                            decode=latents and latents.decode)
         result = evaluator(timed(batches, clock), denoiser)
         result["seconds_per_sample"] = clock["seconds"] / num
         key = entry_key(f"images={int(latest_checkpoint(run).name)}", evaluator, num, opts)

@@ -15,6 +15,8 @@ import json
 import tempfile
 from pathlib import Path
 
+import torch
+
 from islands.errors import DataError
 from islands.nets.autoencoder import DiffusersAutoencoder
 
@@ -64,7 +66,10 @@ def load_autoencoder(folder: str | Path, sha256: str | None = None, device="cpu"
     from diffusers import AutoencoderKL
     from diffusers.utils import logging as diffusers_logging
 
-    with tempfile.TemporaryDirectory(prefix="islands-vae-") as private, _quiet(diffusers_logging):
+    # from_pretrained initialises the model before loading it: the global generator, which seeds a run's network,
+    # is left as it was
+    with (tempfile.TemporaryDirectory(prefix="islands-vae-") as private, _quiet(diffusers_logging),
+          torch.random.fork_rng(devices=[])):
         (Path(private) / CONFIG).write_text(json.dumps(config))
         (Path(private) / WEIGHTS).write_bytes(weights)
         try:

@@ -91,7 +91,10 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
             if stepped:
                 # This rank's share of the global batch, with the noise, times and label dropout the loader drew for
                 # each example's stream position, in micro-batches (on a GPU copied from pinned memory, unwaited).
-                micro_batches = next(loader).to(world.device, non_blocking=True).chunk(accumulate)
+                batch = next(loader).to(world.device, non_blocking=True)
+                if parts.latents is not None:  # data.autoencoder: the objective sees the images' latents
+                    batch = parts.latents.encode(batch)
+                micro_batches = batch.chunk(accumulate)
                 loss, grad_norm, finite = optimizer_step(parts, micro_batches, lr)
             else:  # a slower replica waits out the round; it still votes on whether the others' step was finite
                 loss, grad_norm, finite = math.nan, math.nan, world.all_finite(True)

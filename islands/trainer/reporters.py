@@ -126,6 +126,11 @@ def fixed_probe(parts: Parts, size: int):
     return parts.source.get(order[:size].tolist())
 
 
+def decoder(parts: Parts):
+    """What turns the run's samples into images: a latent run's decoder, else nothing."""
+    return parts.latents.decode if parts.latents is not None else None
+
+
 class SampleGrid(Reporter):
     """A picture of samples of the averaged weights: a grid of images, or a scatter of vectors over the data."""
 
@@ -140,7 +145,7 @@ class SampleGrid(Reporter):
         num = min(p.cfg.sample.num, 64 if len(p.shape) == 3 else 2000)  # a legible grid, or a dense scatter
         opts = run_sample_options(p.cfg.sample, p.cfg, p.world.device)
         x = generate(p.objective.denoiser(plain), p.shape, num, opts, p.cfg.seed,
-                     sample_labels(num, p.num_classes), device=p.world.device)
+                     sample_labels(num, p.num_classes), device=p.world.device, decode=decoder(p))
         reference = p.source.get(list(range(min(len(p.source), 2000))))[0] if len(p.shape) == 1 else None
         images = step.progress.images
         save_samples_picture(x, p.run_dir / "samples" / f"{images:012d}.png", reference, f"{images} images")
@@ -164,6 +169,8 @@ class Evaluation(Reporter):
         if cfg.eval.val_size:
             self.probe = self.probe or fixed_probe(p, cfg.eval.val_size)
             x0, labels = self.probe
+            if p.latents is not None:  # the loss is the latents', at the probe's own stream positions
+                x0 = p.latents.latents(x0.to(p.world.device), list(range(len(x0))))
             by_t = p.objective.validation_loss(plain, x0.to(p.world.device),
                                                labels.to(p.world.device) if p.num_classes else None,
                                                cfg.eval.val_times)
@@ -175,7 +182,7 @@ class Evaluation(Reporter):
             denoiser = p.objective.denoiser(plain)  # on the run's device, as are its samples' noise and labels
             opts = run_sample_options(cfg.sample, cfg, p.world.device)
             batches = generated(denoiser, p.shape, cfg.eval.num, opts, cfg.seed, p.num_classes,
-                                device=p.world.device)
+                                device=p.world.device, decode=decoder(p))
             record.update({k: v for k, v in self.evaluator(batches, denoiser).items() if isinstance(v, (int, float))})
         self.log.write(record)
 
