@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import random_images
 
+from islands.cli import main
 from islands.config import validate
 from islands.errors import ConfigError, DataError
 from islands.nets.autoencoder import autoencoder_kl
@@ -116,7 +117,7 @@ def squares(folder):
     return folder / "squares.npz"
 
 
-def test_training_an_autoencoder_lowers_its_loss_and_exports_a_folder_the_loader_reads(tmp_path):
+def test_training_an_autoencoder_lowers_its_loss_and_exports_a_folder_the_loader_reads(tmp_path, capsys):
     data = squares(tmp_path)
     run_dir = train(validate(ae_config(tmp_path / "ae", data, images=160, lr=5e-3, ema_halflife_images=0,
                                        checkpoint_every=160)), progress=False)
@@ -139,6 +140,10 @@ def test_training_an_autoencoder_lowers_its_loss_and_exports_a_folder_the_loader
     record = json.loads((run_dir / "autoencoder" / "reconstruction.json").read_text())
     assert (loaded.scaling_factor, loaded.shift_factor) == (record["scaling_factor"], record["shift_factor"])
     assert (run_dir / "samples" / "000000000160.png").is_file()
+    # an autoencoder draws no samples: islands sample says where its weights are instead of sampling nonsense
+    assert main(["sample", str(run_dir), "--num", "2", "--out", str(tmp_path / "out")]) == 2
+    assert f"trained an autoencoder, which draws no samples; its weights are in {run_dir / 'autoencoder'}" in \
+        capsys.readouterr().err
 
 
 def _initial_weights(tmp_path, data) -> dict:
