@@ -177,3 +177,16 @@ def test_an_autoencoder_config_that_cannot_train_is_refused_by_key(tmp_path, cha
         cfg[section] = {**cfg[section], **values}
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
+
+
+def test_islands_plan_prices_an_autoencoder_without_a_pipeline_which_it_cannot_train(tmp_path):
+    """A pipeline trains denoisers only (trainer/parts refuses it for other objectives); the planner priced one for
+    the autoencoder's blocks and failed on the network's missing class count."""
+    from islands.plan.network import Network
+    from islands.plan.predict import Planner
+
+    cfg = validate(ae_config(tmp_path / "ae", tmp_path / "x.npz"))
+    planner = Planner(cfg, Network(name="node", gpus_per_node=8, gpu_tflops=100.0,
+                                   node={"gbit_s": 100, "latency_us": 5}), (1, 8, 8), 0)
+    rows = {r.strategy for r in planner.rows((10,))}
+    assert {"ddp", "fsdp", "local_sgd H=10"} <= rows and "pipeline" not in rows
