@@ -11,13 +11,17 @@ from islands.generate import generate, load_denoiser
 from islands.nets.autoencoder import autoencoder_kl
 from islands.nets.vae_folder import load_autoencoder
 from islands.rundir import latest_checkpoint, load_weights
+from islands.train.logbook import read_metrics
 from islands.trainer import train
 
 
-def latent_run(run_dir, data, vae, **train_keys):
-    """The tiny U-Net of conftest on the 2x4x4 latents of a tiny AutoencoderKL of its 1x8x8 images."""
+def latent_run(run_dir, data, vae, evaluate=False, **train_keys):
+    """The tiny U-Net of conftest on the 2x4x4 latents of a tiny AutoencoderKL of its 1x8x8 images; with `evaluate`,
+    the validation loss and a pixel FD at the end (evaluation may change on a resume)."""
     return tiny_unet(run_dir, data, data={"autoencoder": str(vae)}, train=train_keys,
-                     model={"attention_resolutions": [2]}, sample={"num": 8, "steps": 2, "solver": "euler"})
+                     model={"attention_resolutions": [2]}, sample={"num": 8, "steps": 2, "solver": "euler"},
+                     eval={"every": 96 if evaluate else 0, "num": 8, "metrics": ["fd"], "features": "pixels",
+                           "val_size": 8, "val_times": 2})
 
 
 def saved_vae(folder, seed=0):
@@ -30,7 +34,7 @@ def saved_vae(folder, seed=0):
 
 def test_a_latent_run_resumes_bit_identically_and_samples_decoded_images(tmp_path, image_npz, capsys):
     vae = saved_vae(tmp_path / "vae")
-    straight = train(latent_run(tmp_path / "straight", image_npz, vae), progress=False)
+    straight = train(latent_run(tmp_path / "straight", image_npz, vae, evaluate=True), progress=False)
     train(latent_run(tmp_path / "resumed", image_npz, vae, images=48), progress=False)
     resumed = train(latent_run(tmp_path / "resumed", image_npz, vae), progress=False)
     for name in ("model.safetensors", "ema.safetensors"):
@@ -41,6 +45,9 @@ def test_a_latent_run_resumes_bit_identically_and_samples_decoded_images(tmp_pat
     assert info["shape"] == [2, 4, 4]
     grid = Image.open(sorted((straight / "samples").glob("*.png"))[-1])
     assert grid.size == (3 * (8 + 2) * 8 + 2 * 8, 3 * (8 + 2) * 8 + 2 * 8)
+    # the trainer's evaluation: the loss on the probe's latents, the FD on decoded samples against the images
+    evaluation = read_metrics(straight, "eval")[-1]
+    assert len(evaluation["val_loss_by_t"]) == 2 and evaluation["fd"] > 0
 
     # islands sample writes decoded images: the run's latents through the autoencoder, clamped only after decoding
     assert main(["sample", str(straight), "--num", "4", "--out", str(tmp_path / "out"), "--quiet"]) == 0

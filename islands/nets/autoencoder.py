@@ -117,11 +117,6 @@ class AutoencoderKLNet(nn.Module):
         super().__init__()
         self.vae = vae
         self.blocks = [*vae.encoder.down_blocks, *vae.decoder.up_blocks]  # a plain list: no second set of keys
-        self.downsampling = 2 ** (len(vae.config.block_out_channels) - 1)
-
-    def latent_shape(self, image_shape: tuple[int, int, int]) -> tuple[int, int, int]:
-        _, height, width = image_shape
-        return (self.vae.config.latent_channels, height // self.downsampling, width // self.downsampling)
 
     def forward(self, x: Tensor, noise: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(reconstruction, mean, logvar): plain tensors, which every wrapper passes through."""
