@@ -97,7 +97,7 @@ def export_autoencoder(vae, x: torch.Tensor, run_dir, seed: int) -> tuple[dict, 
     fresh, old = run_dir / f".{EXPORT}.tmp", run_dir / f".{EXPORT}.old"
     for leftover in (fresh, old):
         shutil.rmtree(leftover, ignore_errors=True)
-    vae.save_pretrained(fresh, safe_serialization=True)
+    vae.to("cpu").save_pretrained(fresh, safe_serialization=True)  # written from host memory whatever the device
     atomic_write_text(fresh / "reconstruction.json", json.dumps(record, indent=1))
     if folder.exists():
         folder.rename(old)
