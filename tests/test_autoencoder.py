@@ -43,6 +43,8 @@ def test_a_saved_autoencoder_reloads_offline_with_the_same_encoder_and_decoder(t
         assert torch.equal(q.mean, truth.mean) and torch.equal(q.logvar, truth.logvar)
         assert torch.equal(loaded.decode(q.mean), vae.decode(truth.mean).sample)
     assert loaded.latent_shape((1, 8, 8)) == tuple(q.mean.shape[1:]) == (2, 4, 4)
+    with pytest.raises(ValueError, match="images of 3 channels do not fit this autoencoder's 1"):
+        loaded.latent_shape((3, 8, 8))
     # SD3's convention, z = (latent - shift) * scale, and back through the decoder
     assert (loaded.scaling_factor, loaded.shift_factor) == (1.5, 0.25)
     assert torch.allclose(loaded.to_diffusion(q.mean), (q.mean - 0.25) * 1.5)

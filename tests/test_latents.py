@@ -2,11 +2,13 @@
 samples.npz and metrics; the autoencoder's weights bound to the run by their hash."""
 
 import numpy as np
+import pytest
 import torch
 from conftest import tiny_unet
 from PIL import Image
 
 from islands.cli import main
+from islands.errors import DataError
 from islands.generate import generate, load_denoiser
 from islands.nets.autoencoder import autoencoder_kl
 from islands.nets.vae_folder import load_autoencoder
@@ -63,3 +65,5 @@ def test_a_latent_run_resumes_bit_identically_and_samples_decoded_images(tmp_pat
     capsys.readouterr()
     assert main(["sample", str(straight), "--num", "4", "--out", str(tmp_path / "out2"), "--quiet"]) == 2
     assert "changed since the run recorded it" in capsys.readouterr().err
+    with pytest.raises(DataError, match="changed since the run recorded it"):  # and so is resuming it
+        train(latent_run(tmp_path / "straight", image_npz, vae, images=192), progress=False)

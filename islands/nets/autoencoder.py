@@ -81,6 +81,9 @@ class DiffusersAutoencoder(Autoencoder):
 
     def latent_shape(self, image_shape):
         channels, height, width = image_shape
+        if channels != self.vae.config.in_channels:
+            raise ValueError(f"images of {channels} channels do not fit this autoencoder's "
+                             f"{self.vae.config.in_channels}")
         if height % self.downsampling or width % self.downsampling:
             raise ValueError(f"images of {height}x{width} do not divide into this autoencoder's "
                              f"{self.downsampling}x{self.downsampling} latent cells")

@@ -49,18 +49,20 @@ class LatentStage:
         return self.autoencoder.from_diffusion(z.float()).clamp(-1, 1)
 
 
-def open_latent_stage(cfg, run_dir: Path, device="cpu", record: bool = False) -> LatentStage | None:
+def open_latent_stage(cfg, run_dir: Path, device="cpu", starting: bool = False) -> LatentStage | None:
     """The run's latent stage (None without data.autoencoder), its weights checked against the sha256 the run
-    recorded. With `record`, a run that has trained nothing yet records the folder's hash now (a first attempt that
-    failed binds nothing, as its config does not)."""
+    recorded. A run `starting` is bound by its record only once it has a checkpoint: before that nothing was trained
+    on the folder (a first attempt that failed binds nothing, as its config does not)."""
     folder = cfg.data.autoencoder
     if folder is None:
         return None
     path = Path(run_dir) / RECORD
-    bound = path.exists() and (not record or latest_checkpoint(run_dir) is not None)
+    bound = path.exists() and (not starting or latest_checkpoint(run_dir) is not None)
     recorded = json.loads(path.read_text())["sha256"] if bound else None
-    autoencoder = load_autoencoder(folder, sha256=recorded, device=device)
-    if record and not bound:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({"folder": str(folder), "sha256": autoencoder.sha256}, indent=1))
-    return LatentStage(autoencoder, cfg.seed)
+    return LatentStage(load_autoencoder(folder, sha256=recorded, device=device), cfg.seed)
+
+
+def record_latent_stage(cfg, run_dir: Path, stage: LatentStage) -> None:
+    """RUN/autoencoder.json: the folder and the sha256 of the weights the run trains on."""
+    atomic_write_text(Path(run_dir) / RECORD,
+                      json.dumps({"folder": cfg.data.autoencoder, "sha256": stage.autoencoder.sha256}, indent=1))

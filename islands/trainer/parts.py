@@ -31,7 +31,7 @@ from islands.rundir import (
 )
 from islands.train.checkpoint import adam_state, read_sharded, write_checkpoint
 from islands.train.ema import EMA
-from islands.train.latents import LatentStage, open_latent_stage
+from islands.train.latents import LatentStage, open_latent_stage, record_latent_stage
 from islands.train.objectives import Objective, build_objective
 
 
@@ -186,7 +186,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     if world.is_main:
         warn_if_bf16_is_slow("train.precision", train.precision, world.device)
     run_dir = prepare_run_dir(cfg, write=False)  # its config is written once the data and network are built
-    latents = open_latent_stage(cfg, run_dir, world.device, record=world.is_main)
+    latents = open_latent_stage(cfg, run_dir, world.device, starting=True)
     world.barrier()
     torch.manual_seed(cfg.seed)
 
@@ -224,6 +224,8 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     if world.is_main:  # only a config that builds lands in the folder
         write_config(cfg)
         write_model_description(run_dir, shape, num_classes)
+        if latents is not None:
+            record_latent_stage(cfg, run_dir, latents)
     return Parts(cfg, world, strategy, run_dir, source, shape, num_classes, net, model, opt, ema, scaler, objective,
                  latents)
 
