@@ -470,6 +470,10 @@ class Config(Section):
         if self.data.autoencoder is not None and (self.train.objective != "diffusion" or self.data.source == "gmm"):
             raise ValueError("data.autoencoder: latents are for a diffusion model of images (train.objective "
                              f"diffusion, not {self.train.objective!r}; data.source not gmm)")
+        if self.data.autoencoder is not None and (self.ddm.k or self.flow.t_ranges):
+            # their samples are drawn by islands/ddm, which does not decode them
+            raise ValueError("data.autoencoder: ensembles (ddm.k) and timestep-range experts (flow.t_ranges) are not "
+                             "trained on latents yet")
         return self
 
     @model_validator(mode="after")
