@@ -37,6 +37,9 @@ class _Data(Section):
     cluster: int | None = Field(None, ge=0)
     # local_sgd, diloco: a partition folder (`islands partition`) whose cluster r is replica r's data (non-IID)
     shards: str | None = None
+    # latent diffusion: an AutoencoderKL folder (config.json + diffusion_pytorch_model.safetensors, a user's SD VAE or
+    # RUN/autoencoder of our own); each batch is encoded before the objective and samples are decoded
+    autoencoder: str | None = None
 
 
 class Mnist5kData(_Data):
@@ -141,7 +144,32 @@ class RouterModel(_Model):
     patch_size: int = Field(2, gt=0)
 
 
-ModelConfig = Annotated[UNetModel | DiTModel | MLPModel | RouterModel, Field(discriminator="arch")]
+class AutoencoderKLModel(_Model):
+    """diffusers' AutoencoderKL trained by `train.objective: autoencoder` (SD's VAE: block_out_channels 128, 256,
+    512, 512, layers_per_block 2), and its loss: the pixel term, an L1 on Sobel gradients in place of a perceptual
+    loss (which needs pretrained weights), and the KL term, each a mean over pixels (SD's weights per pixel)."""
+
+    arch: Literal["autoencoder_kl"] = "autoencoder_kl"
+    block_out_channels: list[Annotated[int, Field(gt=0)]] = [32, 64, 64]  # one block per entry; 2^(n-1) downsampling
+    latent_channels: int = Field(4, gt=0)
+    layers_per_block: int = Field(1, gt=0)
+    norm_num_groups: int = Field(32, gt=0)
+    mid_block_attention: bool = True
+    pixel_loss: Literal["l1", "l2"] = "l1"
+    sobel_weight: float = Field(0.5, ge=0)
+    kl_weight: float = Field(1e-6, ge=0)  # SD's VAE: 1e-6 of the KL summed over the latent per pixel summed
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not self.block_out_channels:
+            raise ValueError("block_out_channels: give at least one width")
+        if self.num_classes:
+            raise ValueError(f"num_classes: an autoencoder is not conditioned on a class (got {self.num_classes})")
+        return self
+
+
+ModelConfig = Annotated[UNetModel | DiTModel | MLPModel | RouterModel | AutoencoderKLModel,
+                        Field(discriminator="arch")]
 
 
 # --- flow: continuous paths, and DDPM's discrete schedule with its own keys ---
@@ -215,7 +243,7 @@ def _keys_by_kind(tag: str, *variants) -> dict[str, set[str]]:
 VARIANTS = {
     "data": ("source", "mnist5k", _keys_by_kind("source", Mnist5kData, FashionMnistData, FolderData, NpzData,
                                                  ShardsData, GMMData)),
-    "model": ("arch", "unet", _keys_by_kind("arch", UNetModel, DiTModel, MLPModel, RouterModel)),
+    "model": ("arch", "unet", _keys_by_kind("arch", UNetModel, DiTModel, MLPModel, RouterModel, AutoencoderKLModel)),
     "flow": ("path", "rectified_flow", _keys_by_kind("path", ContinuousFlow, DiscreteFlow)),
 }
 
@@ -243,8 +271,9 @@ class TrainConfig(Section):
     log_every: int = Field(1_000, gt=0)
     max_nonfinite: int = Field(5, gt=0)  # consecutive skipped steps before the run stops
     threads: int | None = Field(None, gt=0)  # torch intra-op threads; None leaves torch's default
-    objective: Literal["diffusion", "router", "distill"] = "diffusion"  # router: classify noised examples by
-    # cluster; distill: learn an ensemble's velocity (data.partition names the ensemble)
+    # router: classify noised examples by cluster; distill: learn an ensemble's velocity (data.partition names the
+    # ensemble); autoencoder: reconstruct the data through the latent of model.arch autoencoder_kl
+    objective: Literal["diffusion", "router", "distill", "autoencoder"] = "diffusion"
     teacher: Literal["cluster", "full"] = "cluster"  # distill: the expert of each image's cluster, or the mixture
     # A run whose latest weights (its EMA, if any) start this one, instead of a random initialisation: eDiff-I's
     # recipe for timestep-range experts (train one model on all t, then fine-tune a copy on each range).
@@ -471,6 +500,21 @@ class Config(Section):
             self.flow.time_sampler = "uniform" if self.model.arch == "mlp" else "logit_normal"
         if self.sample.time_shift is None:  # samples move their times as the training times were moved
             self.sample.time_shift = self.flow.time_shift
+        return self
+
+    @model_validator(mode="after")
+    def _autoencoder(self):
+        """An autoencoder is trained by its own objective, and that objective trains nothing else."""
+        if (self.train.objective == "autoencoder") != (self.model.arch == "autoencoder_kl"):
+            raise ValueError(f"train.objective: {self.train.objective!r} does not train model.arch "
+                             f"{self.model.arch!r}; an autoencoder_kl is trained by objective 'autoencoder' only")
+        if self.data.autoencoder is not None and (self.train.objective != "diffusion" or self.data.source == "gmm"):
+            raise ValueError("data.autoencoder: latents are for a diffusion model of images (train.objective "
+                             f"diffusion, not {self.train.objective!r}; data.source not gmm)")
+        if self.data.autoencoder is not None and (self.ddm.k or self.flow.t_ranges):
+            # islands/ddm opens their samplers and trains them, without the latent stage
+            raise ValueError("data.autoencoder: ensembles (ddm.k) and timestep-range experts (flow.t_ranges) are not "
+                             "trained on latents yet")
         return self
 
     @model_validator(mode="after")

@@ -31,11 +31,15 @@ from islands.images import save_samples_picture
 from islands.nets import build_network
 from islands.parallel import launch
 from islands.rundir import atomic_write, describe_run, latest_checkpoint, load_weights, weights_file
+from islands.train.latents import open_data_space
 
 
 def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser, Config, dict]:
     """The latest complete checkpoint's network (its EMA when there is one) as a canonical `Denoiser`."""
     cfg, info = describe_run(run_dir)
+    if cfg.train.objective == "autoencoder":
+        raise CheckpointError(f"{run_dir} trained an autoencoder, which draws no samples; its weights are in "
+                              f"{Path(run_dir) / 'autoencoder'}")
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint yet")
@@ -127,15 +131,20 @@ class Sampler:
         """Samples first .. first + num - 1 of the stream keyed on `seed` (the run's by default), in the data's own
         space."""
         seed = self.cfg.seed if seed is None else seed
-        return self.space.decode(generate(self.denoiser, self.shape, num, self.opts, seed, labels, first, progress,
-                                          device, self.for_batch(seed)))
+        x = generate(self.denoiser, self.shape, num, self.opts, seed, labels, first, progress, device,
+                     self.for_batch(seed))
+        # a batch at a time: an autoencoder decodes latents into images many times their size
+        return torch.cat([self.space.decode(part) for part in x.split(self.opts.batch_size)])
 
 
 def open_run(run_dir: Path, options: dict | None = None, use_ema: bool = True,
              device: torch.device | str = "cpu") -> Sampler:
-    """A run directory's latest checkpoint opened for sampling, with `options` in place of its sample section's."""
+    """A run directory's latest checkpoint opened for sampling, with `options` in place of its sample section's; a
+    latent run's samples decoded by its autoencoder on `device`, once its weights are checked against the run's
+    record."""
     denoiser, cfg, info = load_denoiser(Path(run_dir), use_ema)
-    return Sampler(denoiser, cfg, tuple(info["shape"]), info["num_classes"], sample_options(cfg, options, device))
+    return Sampler(denoiser, cfg, tuple(info["shape"]), info["num_classes"], sample_options(cfg, options, device),
+                   space=open_data_space(cfg, Path(run_dir), device))
 
 
 def sampling_precision(precision: str, device: torch.device):

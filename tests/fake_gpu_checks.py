@@ -135,6 +135,23 @@ def test_an_mlp_run_with_the_exact_metrics(monkeypatch, tmp_path):
     assert {"velocity_mse", "nll", "mode_mass_error"} <= set(read_metrics(run_dir, "eval")[-1])
 
 
+def test_an_autoencoder_run_and_a_diffusion_run_on_its_latents(monkeypatch, tmp_path):
+    """The autoencoder objective, its export, then the latent stage: encoding in the loop, decoding for the grid and
+    the evaluation."""
+    data = random_images(tmp_path)
+    ae = {"run_dir": str(tmp_path / "ae"), "data": {"source": "npz", "path": str(data)},
+          "model": {"arch": "autoencoder_kl", "block_out_channels": [8, 16], "latent_channels": 2,
+                    "norm_num_groups": 8},
+          "train": {"objective": "autoencoder", "images": 8, "batch_size": 8, "checkpoint_every": 8}}
+    vae = train_on_fake_gpu(monkeypatch, ae) / "autoencoder"
+    cfg = tiny_unet_config(tmp_path / "run", data, data={"autoencoder": str(vae)}, sample={"num": 4, "steps": 2},
+                           model={"attention_resolutions": [2]},
+                           train={"images": 8, "checkpoint_every": 8, "sample_every": 8},
+                           eval={"every": 8, "num": 8, "val_size": 8, "val_times": 2, "features": "pixels"})
+    run_dir = train_on_fake_gpu(monkeypatch, cfg)
+    assert {"val_loss", "fd"} <= set(read_metrics(run_dir, "eval")[-1])
+
+
 # --- the parts one by one: objectives, samplers, mixtures, range experts, the EMA ---------------------------------
 
 def mlp(classes: int = 2, **model) -> torch.nn.Module:

@@ -39,7 +39,7 @@ def _build_source(cfg, seed: int) -> Source:
     if cfg.source == "gmm":
         return GMMSource(cfg.means, cfg.std, cfg.weights, size=cfg.size, seed=seed)
     # the source's own keys
-    options = cfg.model_dump(exclude={"source", "flip", "workers", "partition", "cluster", "shards"})
+    options = cfg.model_dump(exclude={"source", "flip", "workers", "partition", "cluster", "shards", "autoencoder"})
     if cfg.source == "fashion_mnist" and options["path"] is None:
         del options["path"]  # the source's default place
     return build_source(cfg.source, **options)

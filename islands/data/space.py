@@ -1,9 +1,10 @@
 """The space the network works in, seen from the data: the one seam between the examples a source reads and what the
 objective trains on, and between the samples a sampler draws and the pictures, metrics and samples.npz people see.
 
-Pixels today: both ways the identity. An autoencoder stage (latent diffusion) is another `DataSpace`: `encode` maps a
-batch of examples to latents before the objective (or a source reads latents precomputed, and `encode` stays the
-identity), `decode` maps samples back to images before anything looks at them.
+Pixels: both ways the identity. An autoencoder's latents (latent diffusion, `data.autoencoder`) are another
+`DataSpace`, islands/train/latents.py's `LatentStage`: `encode` maps a batch of examples to latents before the
+objective (or a source reads latents precomputed, and `encode` stays the identity), `decode` maps samples back to
+images before anything looks at them.
 """
 
 from dataclasses import dataclass
@@ -18,6 +19,10 @@ class DataSpace:
     """The identity: the network works on the examples themselves."""
 
     name: str = "pixels"
+
+    def example_shape(self, shape: tuple) -> tuple:
+        """The shape of one example as the network sees it, from the data's."""
+        return tuple(shape)
 
     def encode(self, batch: Batch) -> Batch:
         """The batch as the objective trains on it. (An encoder that changes the examples' shape drops the noise the

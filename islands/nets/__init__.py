@@ -3,6 +3,7 @@ raise ValueError naming the model key; the builders that read the config turn it
 
 from torch import nn
 
+from islands.nets.autoencoder import AutoencoderKLNet, autoencoder_kl
 from islands.nets.dit import DIT_PRESETS, DiT
 from islands.nets.mlp import MLP
 from islands.nets.router import MLPRouter, TransformerRouter
@@ -34,8 +35,19 @@ def _router(cfg, shape: tuple, num_classes: int) -> nn.Module:
                              num_classes=num_classes)
 
 
+def _autoencoder_kl(cfg, shape: tuple, num_classes: int) -> nn.Module:
+    cells = 2 ** (len(cfg.block_out_channels) - 1)
+    if shape[1] % cells:
+        raise ValueError(f"block_out_channels: {len(cfg.block_out_channels)} blocks downsample by {cells}, which does "
+                         f"not divide images of {shape[1]}x{shape[2]}")
+    return AutoencoderKLNet(autoencoder_kl(shape[0], tuple(cfg.block_out_channels), cfg.latent_channels,
+                                           cfg.layers_per_block, cfg.norm_num_groups, cfg.mid_block_attention,
+                                           shape[1]))
+
+
 # model.arch -> (builder, the example shapes it takes: "vectors", "images" or "any")
-NETWORKS = {"unet": (_unet, "images"), "dit": (_dit, "images"), "mlp": (_mlp, "vectors"), "router": (_router, "any")}
+NETWORKS = {"unet": (_unet, "images"), "dit": (_dit, "images"), "mlp": (_mlp, "vectors"), "router": (_router, "any"),
+            "autoencoder_kl": (_autoencoder_kl, "images")}
 
 
 def build_network(cfg, shape: tuple[int, ...], num_classes: int) -> nn.Module:
@@ -51,4 +63,4 @@ def build_network(cfg, shape: tuple[int, ...], num_classes: int) -> nn.Module:
         raise ValueError(f"model: {err}") from None
 
 
-__all__ = ["DiT", "DIT_PRESETS", "MLP", "NETWORKS", "UNet", "build_network"]
+__all__ = ["AutoencoderKLNet", "DiT", "DIT_PRESETS", "MLP", "NETWORKS", "UNet", "build_network"]

@@ -149,7 +149,7 @@ class Planner:
     def pipeline(self) -> Row | None:
         """The stages on the accelerators of a node (1F1B), data parallel across nodes and islands."""
         n, cfg = self.net_desc, self.cfg
-        if not hasattr(self.net, "blocks"):
+        if not hasattr(self.net, "blocks") or cfg.train.objective != "diffusion":  # as build_parts refuses
             return None
         stages = min(n.gpus_per_node, len(self.net.blocks))
         if stages < 2:

@@ -221,6 +221,10 @@ def build_objective(cfg, teacher=None) -> Objective:
     """The objective `cfg.train.objective` names. A student needs its `teacher` (a `Denoiser`); a router reads its
     prior from the partition. `prepare(net)` hands it the network's condition before training."""
     seed, dropout = cfg.seed, cfg.train.label_dropout
+    if cfg.train.objective == "autoencoder":
+        from islands.train.autoencoder import AutoencoderObjective  # it imports this module's Objective
+
+        return AutoencoderObjective.from_config(cfg)
     if cfg.train.objective == "router":
         prior = read_prior_table(cfg.data.partition, cfg.model.num_classes)
         return RouterObjective(seed, cfg.model.outputs, dropout, prior)

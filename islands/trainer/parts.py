@@ -33,6 +33,7 @@ from islands.rundir import (
 )
 from islands.train.checkpoint import adam_state, read_sharded, write_checkpoint
 from islands.train.ema import EMA
+from islands.train.latents import open_data_space, record_data_space
 from islands.train.objectives import Objective, build_objective
 
 
@@ -174,6 +175,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     if world.is_main:
         warn_if_bf16_is_slow("train.precision", train.precision, world.device)
     run_dir = prepare_run_dir(cfg, write=False)  # its config is written once the data and network are built
+    space = open_data_space(cfg, run_dir, world.device, starting=True)  # data.autoencoder: its latents
     world.barrier()
     torch.manual_seed(cfg.seed)
 
@@ -185,6 +187,8 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
                               f"{len(schedule.batches)} replicas")
         source = ClusterSubset(source, clusters, replica)
     shape, num_classes = tuple(source.shape), cfg.model.num_classes
+    with config_errors("data.autoencoder"):  # a latent run's network learns the latents of the images
+        shape = space.example_shape(shape)
     if num_classes and num_classes != source.num_classes:
         raise ConfigError(f"model.num_classes: {num_classes} does not match the data's {source.num_classes} classes")
 
@@ -207,7 +211,9 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     if world.is_main:  # only a config that builds lands in the folder
         write_config(cfg)
         write_model_description(run_dir, shape, num_classes)
-    return Parts(cfg, world, strategy, run_dir, source, shape, num_classes, net, model, opt, ema, scaler, objective)
+        record_data_space(cfg, run_dir, space)
+    return Parts(cfg, world, strategy, run_dir, source, shape, num_classes, net, model, opt, ema, scaler, objective,
+                 space)
 
 
 # What reading a damaged checkpoint raises: our readers' errors, torch.load's and json's, a state.json of other keys.

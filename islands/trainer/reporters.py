@@ -19,8 +19,9 @@ from islands.data.batch import Batch
 from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
 from islands.eval.evaluate import Evaluator, generated
 from islands.generate import Sampler, run_sample_options
-from islands.images import save_curve, save_samples_picture
+from islands.images import save_curve, save_grid, save_samples_picture
 from islands.rundir import atomic_write_text
+from islands.train.autoencoder import export_autoencoder
 from islands.train.logbook import Logbook
 from islands.trainer.parts import Parts, Progress
 
@@ -171,7 +172,7 @@ class Evaluation(Reporter):
             return
         record = {"images": step.progress.images}
         if cfg.eval.val_size:
-            self.probe = self.probe or fixed_probe(p, cfg.eval.val_size)
+            self.probe = self.probe or p.space.encode(fixed_probe(p, cfg.eval.val_size))  # a latent run: latents
             by_t = p.objective.validation_loss(plain, self.probe, cfg.eval.val_times)
             if by_t is not None:
                 record.update(val_loss=sum(by_t) / len(by_t), val_loss_by_t=by_t)
@@ -214,8 +215,36 @@ class RouterAccuracy(Reporter):
         save_curve(report["t"], curves, p.run_dir / "router_accuracy.png", "t (0 data, 1 noise)", "", title)
 
 
+class AutoencoderExport(Reporter):
+    """With every checkpoint and at the end: the averaged weights as a diffusers folder, RUN/autoencoder; the fixed
+    probe's reconstruction error to eval.jsonl; up to 32 of its images above their reconstructions in samples/."""
+
+    def __init__(self, parts: Parts):
+        self.parts, self.every = parts, parts.cfg.train.checkpoint_every
+        self.log = Logbook(parts.run_dir, "eval") if parts.main else None
+        self.probe = None
+
+    def report(self, step: Step) -> None:
+        p = self.parts
+        plain = p.plain_copy()
+        if plain is None:
+            return
+        if self.probe is None:
+            self.probe = fixed_probe(p, min(len(p.source), 256)).x
+        record, reconstruction = export_autoencoder(plain.vae, self.probe, p.run_dir, p.cfg.seed)
+        self.log.write({"images": step.progress.images, **record})
+        shown = min(len(self.probe), 32)
+        save_grid(torch.cat([self.probe[:shown].cpu(), reconstruction[:shown].cpu()]),
+                  p.run_dir / "samples" / f"{step.progress.images:012d}.png", nrow=8)
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
 # What each kind of run reports beside its log and checkpoints (an objective's `produces`).
-PRODUCT_REPORTERS = {"denoiser": (SampleGrid, Evaluation), "router": (RouterAccuracy,)}
+PRODUCT_REPORTERS = {"denoiser": (SampleGrid, Evaluation), "router": (RouterAccuracy,),
+                     "autoencoder": (AutoencoderExport,)}
 
 
 def build_reporters(parts: Parts, initial: int, total: int, progress: bool) -> list[Reporter]:
