@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 from islands.config import ConfigError, SampleConfig, load_config
+from islands.errors import config_errors
 
 EPILOG_TRAIN = """examples:
   islands train configs/mnist5k.yaml
@@ -137,6 +138,31 @@ def _shard(args) -> int:
         close_world()
     if manifest is not None:
         print(f"wrote {args.out}: {manifest['examples']} examples in {len(manifest['shards'])} shards (manifest.json)")
+    return 0
+
+
+def _encode(args) -> int:
+    from islands.data import build_data
+    from islands.data.shards import refuse_written_over, write_shards
+    from islands.nets.vae_folder import load_autoencoder
+    from islands.parallel.launch import close_world, init_world
+    from islands.train.encode import LatentWriter
+
+    cfg = load_config(args.config, args.overrides)
+    refuse_written_over(Path(args.out))
+    source = build_data(cfg.data, cfg.seed, check=True)  # a bad input stops here, before a shard is written
+    world = init_world()
+    try:
+        autoencoder = load_autoencoder(args.autoencoder, device=world.device)
+        with config_errors("data"):  # images the autoencoder cannot encode
+            writer = LatentWriter(source, autoencoder, args.batch_size, world.device, cfg.data.flip)
+        manifest = write_shards(source, Path(args.out), args.shard_size, cfg.data.model_dump(), world.rank,
+                                world.size, world.barrier, progress=not args.quiet, writer=writer)
+    finally:
+        close_world()
+    if manifest is not None:
+        print(f"wrote {args.out}: the latents of {manifest['examples']} examples in {len(manifest['shards'])} shards "
+              "(manifest.json)")
     return 0
 
 
@@ -328,6 +354,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=int, default=4096, help="examples per shard (default 4096)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_shard)
+
+    p = sub.add_parser("encode", help="precompute the latents of the config's data into shards, for a latent run",
+                       description="Encode every example of the config's data section (and its horizontal flip where "
+                                   "the data flips) with an AutoencoderKL folder, and write each posterior's mean and "
+                                   "log-variance (float32) into shards as 'islands shard' does; a run trains on them "
+                                   "with data.source=shards data.path=OUT data.autoencoder=FOLDER. Under torchrun each "
+                                   "rank encodes and writes every W-th shard.")
+    p.add_argument("config", help="a config whose data section names the images")
+    p.add_argument("out", help="the shard folder to write: absent or empty")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
+    p.add_argument("--autoencoder", required=True, help="the AutoencoderKL folder (config.json + safetensors)")
+    p.add_argument("--shard-size", type=int, default=4096, help="examples per shard (default 4096)")
+    p.add_argument("--batch-size", type=int, default=64, help="images encoded at a time (default 64)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_encode)
 
     p = sub.add_parser("ddm", help="partition, experts, router, samples and metrics of a decentralized model",
                        description="Run every step of a Decentralized Diffusion Model on this machine, skipping "

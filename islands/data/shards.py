@@ -86,20 +86,33 @@ def members_of(source: Source) -> list[str]:
     return [example_member(source), *(["cls"] if source.num_classes else [])]
 
 
+class ExampleWriter:
+    """What each example of a source becomes in a shard: its members (the example, `cls`) as bytes. islands encode
+    gives another (the latents' mean and log-variance, of the image and its flip) with a manifest entry of its own."""
+
+    def __init__(self, source: Source):
+        self.member = example_member(source)
+        self.members = [self.member]  # the class follows, where the source has classes
+        self.manifest = {"shape": list(source.shape), "flip": source.flip, "x": self.member}
+
+    def __call__(self, x: torch.Tensor) -> list[dict[str, bytes]]:
+        return [{self.member: _encode(example, self.member)} for example in x]
+
+
 def shard_count(examples: int, shard_size: int) -> int:
     return -(-examples // shard_size)
 
 
 def write_part(source: Source, folder: Path, shard_size: int, rank: int = 0, ranks: int = 1,
-               progress: bool = False) -> list[dict]:
-    """Rank `rank` of `ranks`: the shards i = rank mod ranks of `source` into `folder`, each with its index.
-    -> their manifest entries."""
+               progress: bool = False, writer: ExampleWriter | None = None) -> list[dict]:
+    """Rank `rank` of `ranks`: the shards i = rank mod ranks of `source` into `folder`, each with its index, each
+    example's members made by `writer` (by default the example itself). -> their manifest entries."""
     try:  # only writing needs it
         from webdataset import TarWriter
     except ImportError as err:
         raise DataError(f"islands shard needs webdataset ({err}); pip install 'islands[shards]'") from None
 
-    member, n = example_member(source), len(source)
+    members, n = writer or ExampleWriter(source), len(source)
     mine = range(rank, shard_count(n, shard_size), ranks)
     entries = []
     bar = tqdm(total=sum(min(n, (i + 1) * shard_size) - i * shard_size for i in mine), disable=not progress,
@@ -108,16 +121,17 @@ def write_part(source: Source, folder: Path, shard_size: int, rank: int = 0, ran
         lo, hi = i * shard_size, min(n, (i + 1) * shard_size)
         tar = folder / shard_name(i)
         # fixed owner and time: the same examples make the same bytes, whichever rank or day wrote them
-        with TarWriter(str(tar), encoder=False, mtime=0, user="islands", group="islands") as writer:
+        with TarWriter(str(tar), encoder=False, mtime=0, user="islands", group="islands") as tar_writer:
             for start in range(lo, hi, READ_CHUNK):
                 x, y = source.get(list(range(start, min(hi, start + READ_CHUNK))))
-                for j in range(len(x)):
-                    example = {"__key__": f"{start + j:09d}", member: _encode(x[j], member)}
+                for j, example in enumerate(members(x)):
+                    example = {"__key__": f"{start + j:09d}", **example}
                     if y is not None:
                         example["cls"] = str(int(y[j])).encode()
-                    writer.write(example)
+                    tar_writer.write(example)
                 bar.update(len(x))
-        np.save(folder / index_name(i), _index_of(tar, lo, hi, members_of(source)), allow_pickle=False)
+        columns = [*members.members, *(["cls"] if source.num_classes else [])]
+        np.save(folder / index_name(i), _index_of(tar, lo, hi, columns), allow_pickle=False)
         entries.append({"tar": shard_name(i), "index": index_name(i), "examples": hi - lo,
                         "bytes": tar.stat().st_size, "sha256": file_sha256(tar),
                         "index_sha256": file_sha256(folder / index_name(i))})
@@ -141,7 +155,8 @@ def refuse_written_over(out: Path) -> None:
 
 
 def write_shards(source: Source, out: Path, shard_size: int, made_from: dict, rank: int = 0, ranks: int = 1,
-                 barrier: Callable[[], None] = lambda: None, progress: bool = False) -> dict | None:
+                 barrier: Callable[[], None] = lambda: None, progress: bool = False,
+                 writer: ExampleWriter | None = None) -> dict | None:
     """Every rank its shards (`write_part`), rank 0 the manifest, all into a hidden folder beside `out` renamed to
     `out` once whole, so that no half-written shard folder is ever left as `out` (which must be absent or empty).
     -> the manifest on rank 0, None on the others. `barrier` waits for every rank (a World's)."""
@@ -151,8 +166,9 @@ def write_shards(source: Source, out: Path, shard_size: int, made_from: dict, ra
         shutil.rmtree(partial, ignore_errors=True)  # what a killed attempt left
         partial.mkdir(parents=True)
     barrier()
+    writer = writer or ExampleWriter(source)
     (partial / f".rank-{rank}.json").write_text(json.dumps(write_part(source, partial, shard_size, rank, ranks,
-                                                                      progress)))
+                                                                      progress, writer)))
     barrier()  # every rank's shards are written
     if rank != 0:
         return None
@@ -160,18 +176,19 @@ def write_shards(source: Source, out: Path, shard_size: int, made_from: dict, ra
     shards = [entry for part in parts for entry in json.loads(part.read_text())]
     for part in parts:
         part.unlink()
-    manifest = write_manifest(partial, shards, source, shard_size, made_from)
+    manifest = write_manifest(partial, shards, source, shard_size, made_from, writer)
     if out.exists():
         out.rmdir()
     partial.rename(out)
     return manifest
 
 
-def write_manifest(folder: Path, shards: list[dict], source: Source, shard_size: int, made_from: dict) -> dict:
+def write_manifest(folder: Path, shards: list[dict], source: Source, shard_size: int, made_from: dict,
+                   writer: ExampleWriter | None = None) -> dict:
+    writer = writer or ExampleWriter(source)
     shards = sorted(shards, key=lambda s: s["tar"])
-    manifest = {"format": FORMAT, "examples": len(source), "shape": list(source.shape),
-                "num_classes": source.num_classes, "flip": source.flip, "x": example_member(source),
-                "members": members_of(source),
+    manifest = {"format": FORMAT, "examples": len(source), **writer.manifest, "num_classes": source.num_classes,
+                "members": [*writer.members, *(["cls"] if source.num_classes else [])],
                 "shard_size": shard_size, "sha256": whole_sha256(shards), "made_from": made_from, "shards": shards}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -190,9 +207,11 @@ class ShardSource(Source):
         m = self.manifest
         self.shape, self.num_classes, self.flip = tuple(m["shape"]), m["num_classes"], m["flip"]
         self.member, self.quantised = m["x"], m["x"] == "png"
-        # the columns of the index read: the example's, then its class's (other members, as a latent's
-        # log-variance beside its mean, are left unread)
-        self.columns = [m["members"].index(m["x"]), *([m["members"].index("cls")] if self.num_classes else [])]
+        # the columns of the index read: the example's arrays (one, or a latent's mean and log-variance, of the image
+        # and of its flip: stacked along the channels, as `islands encode` wrote them), then its class's
+        self.arrays = [i for i, member in enumerate(m["members"]) if member != "cls"]
+        self.columns = [*self.arrays, *([m["members"].index("cls")] if self.num_classes else [])]
+        self.member_shape = (self.shape[0] // len(self.arrays), *self.shape[1:])
         self.tars = [self.root / s["tar"] for s in m["shards"]]
         self.index_files = [self.root / s["index"] for s in m["shards"]]
         self.starts = np.cumsum([0] + [s["examples"] for s in m["shards"]])
@@ -228,11 +247,11 @@ class ShardSource(Source):
         if len(data) != end - first:
             raise DataError(f"truncated shard {self.tars[shard]}: example {row} ends at byte {end}, the file has "
                             f"{os.fstat(self._file(shard)).st_size}")
-        (x_at, x_size) = where[0]
-        x = self._decode(data[x_at - first:x_at - first + x_size], shard, row)
+        arrays = [self._decode(data[at - first:at - first + size], shard, row) for at, size in where[:len(self.arrays)]]
+        x = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
         if not self.num_classes:
             return x, -1
-        c_at, c_size = where[1]
+        c_at, c_size = where[-1]
         return x, int(data[c_at - first:c_at - first + c_size])
 
     def _decode(self, blob: bytes, shard: int, row: int) -> np.ndarray:
@@ -245,9 +264,9 @@ class ShardSource(Source):
                 a = np.load(io.BytesIO(blob), allow_pickle=False)
         except Exception as e:  # decoders of damaged bytes raise all sorts of things
             raise DataError(f"shard {self.tars[shard]}: example {row} cannot be decoded: {e}") from None
-        if a.shape != self.shape or a.dtype != (np.uint8 if self.quantised else np.float32):
+        if a.shape != self.member_shape or a.dtype != (np.uint8 if self.quantised else np.float32):
             raise DataError(f"shard {self.tars[shard]}: example {row} is {a.dtype} {a.shape}, the manifest says "
-                            f"{self.shape}")
+                            f"{self.member_shape}")
         return a
 
     def _index(self, shard: int) -> np.ndarray:
@@ -343,7 +362,7 @@ def read_manifest(root: Path) -> dict:
         raise DataError(f"shard manifest {path}: missing or mistyped {', '.join(wrong)}")
     if m["format"] != FORMAT:
         raise DataError(f"shard manifest {path}: format {m['format']!r}, this Islands reads {FORMAT!r}")
-    if m["x"] not in ("png", "x.npy", "latent.npy") or m["x"] not in m["members"]:
+    if m["x"] not in ("png", "x.npy", "latent.npy", "mean.npy") or m["x"] not in m["members"]:
         raise DataError(f"shard manifest {path}: unknown example member {m['x']!r}")
     if ("cls" in m["members"]) != (m["num_classes"] > 0):
         raise DataError(f"shard manifest {path}: {m['num_classes']} classes, but 'cls' is "

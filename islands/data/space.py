@@ -29,6 +29,11 @@ class DataSpace:
         loader drew for the old shape, `noise=None`: the objective then draws it from the positions, `Batch.drawn`.)"""
         return batch
 
+    def loader_flip(self, flip: bool | None) -> bool | None:
+        """The horizontal flip the loader applies (data.flip; None: the source's own); a space whose examples hold
+        their flips (stored latents) picks them itself, and the loader flips nothing."""
+        return flip
+
     def decode(self, samples: Tensor) -> Tensor:
         """Samples in the data's own space, for pictures, metrics and samples.npz."""
         return samples

@@ -7,6 +7,10 @@ every example to the same latent; then z = (latent - shift) * scale, the autoenc
 clamping (latents are not in [-1, 1]); only decoded images are clamped to the data range. The run records the
 weights' sha256 in RUN/autoencoder.json when it starts, and every later start, sample or evaluation of the run
 refuses a folder whose weights no longer hash to it.
+
+On shards of precomputed latents (`islands encode`, islands/train/encode.py) the stage is `StoredLatents`: the
+examples are the stored posteriors, and example n's latent is the same draw from the same posterior (the flipped
+image's where the position-keyed flip says so), so such a run trains as the on-the-fly one does.
 """
 
 import json
@@ -17,8 +21,10 @@ import torch
 
 from islands.data import streams
 from islands.data.batch import Batch
+from islands.data.shards import read_manifest
 from islands.data.space import PIXELS, DataSpace
-from islands.nets.autoencoder import Autoencoder
+from islands.errors import DataError
+from islands.nets.autoencoder import Autoencoder, LatentDistribution
 from islands.nets.vae_folder import load_autoencoder
 from islands.rundir import atomic_write_text, latest_checkpoint
 
@@ -54,18 +60,69 @@ class LatentStage(DataSpace):
         return images.clamp(-1, 1).to(samples.device)
 
 
+@dataclass(frozen=True)
+class StoredLatents(LatentStage):
+    """Latents precomputed into shards: each example is its posterior's mean and log-variance, and its flip's where
+    the shards hold it (`pairs` 2), stacked along the channels; the loader flips nothing, this stage picks the pair
+    where `flip`."""
+
+    name: str = "stored latents"
+    pairs: int = field(default=1, kw_only=True)
+    flip: bool = field(default=False, kw_only=True)
+
+    def example_shape(self, shape: tuple) -> tuple:
+        return (shape[0] // (2 * self.pairs), *shape[1:])
+
+    def loader_flip(self, flip: bool | None) -> bool:
+        return False
+
+    @torch.no_grad()
+    def encode(self, batch: Batch) -> Batch:
+        """The latent of each example, drawn with the noise of its stream position from the posterior of its image or,
+        where its position-keyed flip (the loader's draw) says so, of the flipped image."""
+        arrays = batch.x.float().chunk(2 * self.pairs, dim=1)
+        mean, logvar = arrays[:2]
+        positions = batch.positions.tolist()
+        if self.flip:
+            flip = (streams.uniform(self.seed, positions, "flip") < 0.5).reshape(-1, 1, 1, 1).to(mean.device)
+            mean, logvar = torch.where(flip, arrays[2], mean), torch.where(flip, arrays[3], logvar)
+        noise = streams.normal(self.seed, positions, tuple(mean.shape[1:]), "latent")
+        latent = LatentDistribution(mean, logvar).sample(noise)
+        return replace(batch, x=self.autoencoder.to_diffusion(latent).to(batch.x.dtype), noise=None)
+
+
+def stored_latents(cfg) -> dict | None:
+    """The manifest's `latents` entry where the run reads shards that `islands encode` wrote, else None."""
+    if cfg.data.source != "shards":
+        return None
+    return read_manifest(Path(cfg.data.path)).get("latents")
+
+
 def open_data_space(cfg, run_dir: Path, device="cpu", starting: bool = False) -> DataSpace:
     """The space the run's network works in: PIXELS, or with data.autoencoder its latent stage, the weights checked
     against the sha256 the run recorded. A run `starting` is bound by its record only once it has a checkpoint: before
     that nothing was trained on the folder (a first attempt that failed binds nothing, as its config does not)."""
-    folder = cfg.data.autoencoder
+    folder, stored = cfg.data.autoencoder, stored_latents(cfg)
+    if stored is not None and folder is None:
+        raise DataError(f"data.path: {cfg.data.path} holds latents ('islands encode'); data.autoencoder must name the "
+                        "autoencoder folder they were encoded with, which decodes the samples")
     if folder is None:
         return PIXELS
     path = Path(run_dir) / RECORD
     bound = path.exists() and (not starting or latest_checkpoint(run_dir) is not None)
     recorded = json.loads(path.read_text())["sha256"] if bound else None
-    return LatentStage(autoencoder=load_autoencoder(folder, sha256=recorded, device=device), seed=cfg.seed,
-                       device=device)
+    autoencoder = load_autoencoder(folder, sha256=recorded, device=device)
+    if stored is None:
+        return LatentStage(autoencoder=autoencoder, seed=cfg.seed, device=device)
+    if autoencoder.sha256 != stored["autoencoder_sha256"]:
+        raise DataError(f"data.autoencoder: {folder} is not the autoencoder the latents in {cfg.data.path} were "
+                        f"encoded with (sha256 {autoencoder.sha256[:12]}..., the manifest says "
+                        f"{stored['autoencoder_sha256'][:12]}...)")
+    if cfg.data.flip and not stored["flipped"]:
+        raise DataError(f"data.flip: the latents in {cfg.data.path} were encoded without their flips; encode them "
+                        "again from data with flip: true")
+    return StoredLatents(autoencoder=autoencoder, seed=cfg.seed, device=device, pairs=1 + stored["flipped"],
+                         flip=stored["flipped"] if cfg.data.flip is None else cfg.data.flip)
 
 
 def record_data_space(cfg, run_dir: Path, space: DataSpace) -> None:

@@ -71,7 +71,8 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
 
     def batches_from(images: int):
         return iter(stream_loader(parts.source, batch, cfg.seed, start=images, rank=replica, workers=cfg.data.workers,
-                                  flip=cfg.data.flip, schedule=schedule, part=part, parts=replica_ranks,
+                                  flip=parts.space.loader_flip(cfg.data.flip), schedule=schedule, part=part,
+                                  parts=replica_ranks,
                                   own_order=cfg.data.shards is not None, pin_memory=world.device.type == "cuda"))
 
     loader = batches_from(state.images)
