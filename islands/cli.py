@@ -235,9 +235,12 @@ def _plan(args) -> int:
         classes = args.classes if args.classes is not None else cfg.model.num_classes or 0
     else:
         from islands.data import build_data
+        from islands.train.latents import stored_latents
 
         source = build_data(cfg.data, cfg.seed)
         shape, classes = tuple(source.shape), source.num_classes
+        if (latents := stored_latents(cfg)) is not None:  # shards of posteriors: the network learns one latent
+            shape = tuple(latents["latent_shape"])
     try:
         every = tuple(int(h) for h in args.sync_every.split(","))
     except ValueError:

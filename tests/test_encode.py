@@ -3,14 +3,16 @@
 import json
 
 import numpy as np
+import pytest
 import torch
 from conftest import run_ranks, tiny_unet_config, write_config
 from test_latents import saved_vae
 
 from islands.cli import main
-from islands.config import validate
+from islands.config import load_config, validate
 from islands.data import build_data
 from islands.data.loader import stream_loader
+from islands.nets import build_network
 from islands.nets.vae_folder import load_autoencoder
 from islands.rundir import latest_checkpoint, load_weights
 from islands.train.latents import open_data_space
@@ -115,3 +117,27 @@ def test_a_run_on_stored_latents_trains_as_the_on_the_fly_run_and_resumes_bit_id
     assert main(["train", config, "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not the autoencoder the latents" in err[0]
+
+
+def test_the_dit_xl2_latents_config_plans_at_paper_size_and_trains_a_step_at_tiny_width(tmp_path, image_npz):
+    """configs/dit_xl2_latents.yaml on tiny latent shards that islands encode wrote (2x4x4 latents of 1x8x8 images):
+    the plan prices DiT-XL/2 on the latents' shape, not the stored posteriors' (8x4x4); one step at tiny width runs
+    and its samples are decoded images."""
+    vae = saved_vae(tmp_path / "vae")
+    assert encode(tmp_path, image_npz, vae) == 0
+    paths = [f"data.path={tmp_path / 'latents'}", f"data.autoencoder={vae}", "data.workers=0"]
+    out = tmp_path / "plan"
+    assert main(["plan", "configs/dit_xl2_latents.yaml", *paths, "model.num_classes=4", "--network", "infiniband",
+                 "--out", str(out)]) == 0
+    plan = json.loads(out.with_suffix(".json").read_text())
+    assert plan["params"] == pytest.approx(675e6, rel=0.01)  # DiT-XL/2
+    cfg = load_config("configs/dit_xl2_latents.yaml", [*paths, "model.num_classes=4"])
+    with torch.device("meta"):  # its patch embedding and output layer are those of 2 channels
+        assert plan["params"] == sum(p.numel() for p in build_network(cfg.model, (2, 4, 4), 4).parameters())
+    tiny = [*paths, f"run_dir={tmp_path / 'run'}", "model.num_classes=4", "model.hidden_size=32", "model.depth=1",
+            "model.num_heads=2", "train.images=8", "train.batch_size=8", "train.precision=fp32",
+            "train.activation_checkpointing=false", "train.checkpoint_every=8", "train.sample_every=8",
+            "train.log_every=8", "sample.num=4", "sample.steps=2", "sample.solver=euler", "eval.every=0"]
+    assert main(["train", "configs/dit_xl2_latents.yaml", *tiny, "--quiet"]) == 0
+    assert main(["sample", str(tmp_path / "run"), "--num", "4", "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    assert np.load(tmp_path / "out" / "samples.npz")["x"].shape == (4, 1, 8, 8)
