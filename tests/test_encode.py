@@ -108,6 +108,16 @@ def test_a_run_on_stored_latents_trains_as_the_on_the_fly_run_and_resumes_bit_id
     # samples are decoded images
     assert main(["sample", str(straight), "--num", "4", "--out", str(tmp_path / "out"), "--quiet"]) == 0
     assert np.load(tmp_path / "out" / "samples.npz")["x"].shape == (4, 1, 8, 8)
+    # metrics compare decoded samples with the images the stored latents decode to (the posterior means): an FD of
+    # those images against themselves is 0
+    assert main(["eval", str(straight), "--num", "8", "--metrics", "fd", "--features", "pixels"]) == 0
+    space = open_data_space(runs["stored"], tmp_path / "s")
+    reference = space.reference(build_data(runs["stored"].data, 0))
+    autoencoder = load_autoencoder(vae)
+    images, _ = reference.get([5, 6])
+    expected = autoencoder.decode(autoencoder.encode(build_data(runs["fly"].data, 0).get([5, 6])[0]).mean)
+    assert images.shape == (2, 1, 8, 8)
+    torch.testing.assert_close(images, expected.clamp(-1, 1), rtol=1e-4, atol=1e-5)
 
     # another autoencoder than the one the latents were encoded with: refused in one line
     other = saved_vae(tmp_path / "other", seed=1)

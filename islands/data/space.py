@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from islands.data.batch import Batch
+from islands.data.sources import Source
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,11 @@ class DataSpace:
         """The horizontal flip the loader applies (data.flip; None: the source's own); a space whose examples hold
         their flips (stored latents) picks them itself, and the loader flips nothing."""
         return flip
+
+    def reference(self, source: Source) -> Source:
+        """The images the run's samples are judged against (metrics): the data's examples; for stored latents, the
+        images their posterior means decode to."""
+        return source
 
     def decode(self, samples: Tensor) -> Tensor:
         """Samples in the data's own space, for pictures, metrics and samples.npz."""

@@ -30,6 +30,7 @@ from islands.eval.features import (
 from islands.flow.denoiser import Denoiser
 from islands.generate import Sampler, open_run
 from islands.rundir import CONFIG, atomic_write_text, describe_run, is_run_dir, latest_checkpoint, read_npz
+from islands.train.latents import open_data_space, stored_latents
 
 SAMPLE_METRICS = ("fd", "kid", "precision_recall", "density_coverage", "class_balance")  # from samples alone
 EXACT_METRICS = ("nll", "swd", "mode_mass")  # Gaussian mixtures, from samples alone
@@ -227,7 +228,10 @@ def evaluate_target(target: Path, num: int | None = None, steps: int | None = No
                "feature_weights": feature_weights, "num": num}
     eval_cfg = revalidate(cfg.eval, "eval", **{k: v for k, v in updates.items() if v is not None})
     eval_cfg = trusted_features(eval_cfg, feature_net, run / CONFIG, "--feature-net ")
-    evaluator = Evaluator(judged_on(build_data(cfg.data, cfg.seed)), eval_cfg, cfg.seed, progress)
+    reference = judged_on(build_data(cfg.data, cfg.seed))
+    if stored_latents(cfg) is not None:  # the images the stored latents decode to
+        reference = open_data_space(cfg, run).reference(reference)
+    evaluator = Evaluator(reference, eval_cfg, cfg.seed, progress)
     if is_file:
         try:
             result = evaluator(from_file(target))

@@ -22,6 +22,7 @@ import torch
 from islands.data import streams
 from islands.data.batch import Batch
 from islands.data.shards import read_manifest
+from islands.data.sources import Source
 from islands.data.space import PIXELS, DataSpace
 from islands.errors import DataError
 from islands.nets.autoencoder import Autoencoder, LatentDistribution
@@ -69,12 +70,16 @@ class StoredLatents(LatentStage):
     name: str = "stored latents"
     pairs: int = field(default=1, kw_only=True)
     flip: bool = field(default=False, kw_only=True)
+    image_shape: tuple = field(default=(), kw_only=True)  # of the images the latents were encoded from
 
     def example_shape(self, shape: tuple) -> tuple:
         return (shape[0] // (2 * self.pairs), *shape[1:])
 
     def loader_flip(self, flip: bool | None) -> bool:
         return False
+
+    def reference(self, source: Source) -> Source:
+        return DecodedMeans(source, self)
 
     @torch.no_grad()
     def encode(self, batch: Batch) -> Batch:
@@ -89,6 +94,25 @@ class StoredLatents(LatentStage):
         noise = streams.normal(self.seed, positions, tuple(mean.shape[1:]), "latent")
         latent = LatentDistribution(mean, logvar).sample(noise)
         return replace(batch, x=self.autoencoder.to_diffusion(latent).to(batch.x.dtype), noise=None)
+
+
+class DecodedMeans(Source):
+    """The images of stored latents, as metrics compare samples with: each example's posterior mean decoded (the
+    autoencoder's reconstruction, the closest to the images that the shards hold), clamped to the data range."""
+
+    def __init__(self, source: Source, stage: StoredLatents):
+        self.source, self.stage = source, stage
+        self.shape, self.num_classes = stage.image_shape, source.num_classes
+        self.read_from = source.read_from
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @torch.no_grad()
+    def get(self, indices):
+        x, y = self.source.get(indices)
+        mean = x[:, :x.shape[1] // (2 * self.stage.pairs)].to(self.stage.device)
+        return self.stage.autoencoder.decode(mean).clamp(-1, 1).cpu(), y
 
 
 def stored_latents(cfg) -> dict | None:
@@ -122,6 +146,7 @@ def open_data_space(cfg, run_dir: Path, device="cpu", starting: bool = False) ->
         raise DataError(f"data.flip: the latents in {cfg.data.path} were encoded without their flips; encode them "
                         "again from data with flip: true")
     return StoredLatents(autoencoder=autoencoder, seed=cfg.seed, device=device, pairs=1 + stored["flipped"],
+                         image_shape=tuple(stored["image_shape"]),
                          flip=stored["flipped"] if cfg.data.flip is None else cfg.data.flip)
 
 

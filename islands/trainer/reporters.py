@@ -177,7 +177,7 @@ class Evaluation(Reporter):
             if by_t is not None:
                 record.update(val_loss=sum(by_t) / len(by_t), val_loss_by_t=by_t)
         if cfg.eval.metrics != []:
-            self.evaluator = self.evaluator or Evaluator(judged_on(p.source), cfg.eval, cfg.seed,
+            self.evaluator = self.evaluator or Evaluator(p.space.reference(judged_on(p.source)), cfg.eval, cfg.seed,
                                                          device=p.world.device)
             sampler = sampler_of(p, plain)  # on the run's device, as are its samples' noise and labels
             batches = generated(sampler, cfg.eval.num, device=p.world.device)
