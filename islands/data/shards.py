@@ -3,7 +3,8 @@
     OUT/manifest.json         what the shards hold: examples, shape, classes, members, per shard its count, bytes
                               and sha256, the sha256 of the whole, and the data section it was written from
     OUT/shard-000000.tar      examples 0 .. S-1 in the source's order, webdataset's layout: `000000000.png` (or
-                              `.x.npy`, float32; `.latent.npy` for latents) and `000000000.cls` (the class, in ASCII)
+                              `.x.npy`, float32; `islands encode`'s latents: `.mean.npy`, `.logvar.npy` and the
+                              flip's, stacked along the channels when read) and `000000000.cls` (the class, in ASCII)
     OUT/shard-000000.idx.npy  int64 (examples, members, 2): the byte offset and size of each member's data, the
                               members in the manifest's order (`members`); `x` names the one that is the example
 
