@@ -123,47 +123,44 @@ def _partition(args) -> int:
 
 
 def _shard(args) -> int:
-    from islands.data import build_data
-    from islands.data.shards import refuse_written_over, write_shards
-    from islands.parallel.launch import close_world, init_world
-
-    cfg = load_config(args.config, args.overrides)
-    refuse_written_over(Path(args.out))
-    source = build_data(cfg.data, cfg.seed, check=True)  # a bad input stops here, before a shard is written
-    world = init_world()
-    try:
-        manifest = write_shards(source, Path(args.out), args.shard_size, cfg.data.model_dump(), world.rank,
-                                world.size, world.barrier, progress=not args.quiet)
-    finally:
-        close_world()
+    manifest = _write_shards(args)
     if manifest is not None:
         print(f"wrote {args.out}: {manifest['examples']} examples in {len(manifest['shards'])} shards (manifest.json)")
     return 0
 
 
 def _encode(args) -> int:
+    manifest = _write_shards(args, autoencoder=args.autoencoder)
+    if manifest is not None:
+        print(f"wrote {args.out}: the latents of {manifest['examples']} examples in {len(manifest['shards'])} shards "
+              "(manifest.json)")
+    return 0
+
+
+def _write_shards(args, autoencoder: str | None = None) -> dict | None:
+    """Shards of the config's data (its examples, or with `autoencoder` their latents' posteriors), each rank writing
+    its own; the manifest on rank 0, None on the others."""
     from islands.data import build_data
     from islands.data.shards import refuse_written_over, write_shards
-    from islands.nets.vae_folder import load_autoencoder
     from islands.parallel.launch import close_world, init_world
-    from islands.train.encode import LatentWriter
 
     cfg = load_config(args.config, args.overrides)
     refuse_written_over(Path(args.out))
     source = build_data(cfg.data, cfg.seed, check=True)  # a bad input stops here, before a shard is written
     world = init_world()
     try:
-        autoencoder = load_autoencoder(args.autoencoder, device=world.device)
-        with config_errors("data"):  # images the autoencoder cannot encode
-            writer = LatentWriter(source, autoencoder, args.batch_size, world.device, cfg.data.flip)
-        manifest = write_shards(source, Path(args.out), args.shard_size, cfg.data.model_dump(), world.rank,
-                                world.size, world.barrier, progress=not args.quiet, writer=writer)
+        writer = None
+        if autoencoder is not None:
+            from islands.nets.vae_folder import load_autoencoder
+            from islands.train.encode import LatentWriter
+
+            loaded = load_autoencoder(autoencoder, device=world.device)
+            with config_errors("data"):  # images the autoencoder cannot encode
+                writer = LatentWriter(source, loaded, args.batch_size, world.device, cfg.data.flip)
+        return write_shards(source, Path(args.out), args.shard_size, cfg.data.model_dump(), world.rank, world.size,
+                            world.barrier, progress=not args.quiet, writer=writer)
     finally:
         close_world()
-    if manifest is not None:
-        print(f"wrote {args.out}: the latents of {manifest['examples']} examples in {len(manifest['shards'])} shards "
-              "(manifest.json)")
-    return 0
 
 
 def _ddm(args) -> int:
@@ -269,6 +266,15 @@ def _choices(key: str) -> tuple[str, ...]:
     return typing.get_args(SampleConfig.model_fields[key].annotation)
 
 
+def _shard_arguments(p, what: str) -> None:
+    """The arguments `islands shard` and `islands encode` share."""
+    p.add_argument("config", help=f"a config whose data section names the {what}")
+    p.add_argument("out", help="the shard folder to write: absent or empty")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
+    p.add_argument("--shard-size", type=int, default=4096, help="examples per shard (default 4096)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from islands.ddm.mixture import DEFAULT_ROUTING, ROUTINGS
 
@@ -351,11 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "OUT/shard-NNNNNN.tar (webdataset layout) with an index per shard and "
                                    "OUT/manifest.json; a run reads them with data.source=shards data.path=OUT. Under "
                                    "torchrun each rank writes every W-th shard (OUT on a filesystem all ranks see).")
-    p.add_argument("config", help="a config whose data section names the examples")
-    p.add_argument("out", help="the shard folder to write: absent or empty")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
-    p.add_argument("--shard-size", type=int, default=4096, help="examples per shard (default 4096)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _shard_arguments(p, "examples")
     p.set_defaults(func=_shard)
 
     p = sub.add_parser("encode", help="precompute the latents of the config's data into shards, for a latent run",
@@ -364,13 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "log-variance (float32) into shards as 'islands shard' does; a run trains on them "
                                    "with data.source=shards data.path=OUT data.autoencoder=FOLDER. Under torchrun each "
                                    "rank encodes and writes every W-th shard.")
-    p.add_argument("config", help="a config whose data section names the images")
-    p.add_argument("out", help="the shard folder to write: absent or empty")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
+    _shard_arguments(p, "images")
     p.add_argument("--autoencoder", required=True, help="the AutoencoderKL folder (config.json + safetensors)")
-    p.add_argument("--shard-size", type=int, default=4096, help="examples per shard (default 4096)")
     p.add_argument("--batch-size", type=int, default=64, help="images encoded at a time (default 64)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_encode)
 
     p = sub.add_parser("ddm", help="partition, experts, router, samples and metrics of a decentralized model",

@@ -84,7 +84,9 @@ def test_a_run_on_stored_latents_trains_as_the_on_the_fly_run_and_resumes_bit_id
     vae = saved_vae(tmp_path / "vae")
     assert encode(tmp_path, image_npz, vae) == 0
     latents = tmp_path / "latents"
-    # the batches the objective sees: the same latents, bit for bit (the same posterior, image or flip, and noise)
+    # the batches the objective sees: the same latents (the same posterior, image or flip, and noise), to the rounding
+    # of a convolution whose summation order depends on its batch and thread count (islands encode runs batches of
+    # 64, the loop batches of 16; bit for bit at 2 threads, not at 1); a wrong flip or noise differs by O(1)
     runs = {"fly": on_the_fly_run(tmp_path / "f", image_npz, vae), "stored": stored_run(tmp_path / "s", latents, vae)}
     seen = {}
     for name, cfg in runs.items():
@@ -92,7 +94,8 @@ def test_a_run_on_stored_latents_trains_as_the_on_the_fly_run_and_resumes_bit_id
         loader = stream_loader(build_data(cfg.data, cfg.seed), 16, cfg.seed, start=16,
                                flip=space.loader_flip(cfg.data.flip))
         seen[name] = space.encode(next(iter(loader))).x
-    assert seen["stored"].shape == (16, 2, 4, 4) and torch.equal(seen["stored"], seen["fly"])
+    assert seen["stored"].shape == (16, 2, 4, 4)
+    torch.testing.assert_close(seen["stored"], seen["fly"], rtol=1e-5, atol=1e-5)
     # and so the runs, to float rounding: the encoder ran on other batches of images (and Adam's first steps, which
     # scale by the gradient's size, make a rounding difference in a near-zero gradient a step of lr: SGD here)
     fly = train(on_the_fly_run(tmp_path / "fly", image_npz, vae, optimizer="sgd"), progress=False)
