@@ -83,10 +83,6 @@ def _encode(x: torch.Tensor, member: str) -> bytes:
     return buffer.getvalue()
 
 
-def members_of(source: Source) -> list[str]:
-    return [example_member(source), *(["cls"] if source.num_classes else [])]
-
-
 class ExampleWriter:
     """What each example of a source becomes in a shard: its members (the example, `cls`) as bytes. islands encode
     gives another (the latents' mean and log-variance, of the image and its flip) with a manifest entry of its own."""
