@@ -232,12 +232,13 @@ def _plan(args) -> int:
         classes = args.classes if args.classes is not None else cfg.model.num_classes or 0
     else:
         from islands.data import build_data
-        from islands.train.latents import stored_latents
+        from islands.train.latents import open_data_space
 
         source = build_data(cfg.data, cfg.seed)
-        shape, classes = tuple(source.shape), source.num_classes
-        if (latents := stored_latents(cfg)) is not None:  # shards of posteriors: the network learns one latent
-            shape = tuple(latents["latent_shape"])
+        space = open_data_space(cfg, Path(cfg.run_dir))  # on latents: the latents' shape, and what encoding costs
+        with config_errors("data.autoencoder"):
+            shape = space.example_shape(tuple(source.shape))
+        classes, encoder = source.num_classes, space.flops_per_image(tuple(source.shape))
     try:
         every = tuple(int(h) for h in args.sync_every.split(","))
     except ValueError:
@@ -248,7 +249,7 @@ def _plan(args) -> int:
         network = this_machine(cfg, shape, classes, args.ranks)
     else:
         network = load_network(args.network)
-    planner = Planner(cfg, network, shape, classes)
+    planner = Planner(cfg, network, shape, classes, encoder)
     rows = planner.rows(every)
     print(table(rows, planner))
     data, picture = write_plan(rows, planner, Path(args.out or f"plans/{Path(args.config).stem}-{network.name}"))

@@ -508,13 +508,10 @@ class Config(Section):
         if (self.train.objective == "autoencoder") != (self.model.arch == "autoencoder_kl"):
             raise ValueError(f"train.objective: {self.train.objective!r} does not train model.arch "
                              f"{self.model.arch!r}; an autoencoder_kl is trained by objective 'autoencoder' only")
-        if self.data.autoencoder is not None and (self.train.objective != "diffusion" or self.data.source == "gmm"):
-            raise ValueError("data.autoencoder: latents are for a diffusion model of images (train.objective "
-                             f"diffusion, not {self.train.objective!r}; data.source not gmm)")
-        if self.data.autoencoder is not None and (self.ddm.k or self.flow.t_ranges):
-            # islands/ddm opens their samplers and trains them, without the latent stage
-            raise ValueError("data.autoencoder: ensembles (ddm.k) and timestep-range experts (flow.t_ranges) are not "
-                             "trained on latents yet")
+        # a router and a distilled student learn from noised latents as the experts do
+        if self.data.autoencoder is not None and (self.train.objective == "autoencoder" or self.data.source == "gmm"):
+            raise ValueError("data.autoencoder: latents are for diffusion models of images and their routers "
+                             f"(train.objective {self.train.objective!r}, data.source {self.data.source!r})")
         return self
 
     @model_validator(mode="after")

@@ -173,8 +173,8 @@ def test_an_interrupted_autoencoder_run_resumes_bit_identically(tmp_path):
 @pytest.mark.parametrize(("change", "message"), [
     ({"train": {"objective": "diffusion"}}, "train.objective: 'diffusion' does not train model.arch 'autoencoder_kl'"),
     ({"model": {"num_classes": 4}}, "model.num_classes: an autoencoder is not conditioned on a class"),
-    ({"model": {"arch": "unet"}, "train": {"objective": "diffusion"}, "data": {"autoencoder": "vae"},
-      "ddm": {"k": 2}}, "data.autoencoder: ensembles .ddm.k. and timestep-range experts .flow.t_ranges. are not"),
+    ({"data": {"autoencoder": "vae"}}, "data.autoencoder: latents are for diffusion models of images and their "
+                                       "routers .train.objective 'autoencoder'"),
 ])
 def test_an_autoencoder_config_that_cannot_train_is_refused_by_key(tmp_path, change, message):
     cfg = ae_config(tmp_path / "ae", tmp_path / "x.npz")

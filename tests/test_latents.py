@@ -1,15 +1,20 @@
 """Latent diffusion (`data.autoencoder`): batches encoded before the objective, samples decoded before pictures,
 samples.npz and metrics; the autoencoder's weights bound to the run by their hash."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_unet
+from conftest import tiny_unet, tiny_unet_config, write_config
 from PIL import Image
+from torch.utils.flop_counter import FlopCounterMode
 
 from islands.cli import main
+from islands.config import load_config
 from islands.errors import DataError
 from islands.generate import generate, load_denoiser, open_run
+from islands.nets import build_network
 from islands.nets.autoencoder import autoencoder_kl
 from islands.nets.vae_folder import load_autoencoder
 from islands.rundir import latest_checkpoint, load_weights
@@ -70,3 +75,17 @@ def test_a_latent_run_resumes_bit_identically_and_samples_decoded_images(tmp_pat
     assert "changed since the run recorded it" in capsys.readouterr().err
     with pytest.raises(DataError, match="changed since the run recorded it"):  # and so is resuming it
         train(latent_run(tmp_path / "straight", image_npz, vae, images=192), progress=False)
+
+
+def test_the_plan_of_a_latent_run_prices_its_network_on_latents_and_the_encoder_on_images(tmp_path, image_npz):
+    vae = saved_vae(tmp_path / "vae")
+    config = write_config(tmp_path / "c.yaml", tiny_unet_config(tmp_path / "run", image_npz, data={
+        "autoencoder": str(vae)}, model={"attention_resolutions": [2]}))
+    assert main(["plan", config, "--network", "infiniband", "--out", str(tmp_path / "plan")]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    with torch.device("meta"):  # the network of 2-channel latents, not of 1-channel images
+        net = build_network(load_config(config).model, (2, 4, 4), 4)
+    assert plan["params"] == sum(p.numel() for p in net.parameters())
+    with FlopCounterMode(display=False) as counter:  # the encoder's forward on one image, on real weights
+        load_autoencoder(vae).encode(torch.zeros(1, 1, 8, 8))
+    assert plan["encoder_flops_per_image"] == pytest.approx(counter.get_total_flops(), rel=0.03)

@@ -52,11 +52,11 @@ class StreamOrder:
 
 
 class StreamDataset(Dataset):
-    """Fetches examples by (index, position), applies the position-keyed horizontal flip and draws each example's
-    training randomness from its position (in the loader's workers, when it has any)."""
+    """Fetches examples by (index, position), applies the position-keyed horizontal flip and, if it `draws`, draws
+    each example's training randomness from its position (in the loader's workers, when it has any)."""
 
-    def __init__(self, source, seed: int, flip: bool):
-        self.source, self.seed, self.flip = source, seed, flip
+    def __init__(self, source, seed: int, flip: bool, draws: bool = True):
+        self.source, self.seed, self.flip, self.draws = source, seed, flip, draws
 
     def __getitems__(self, items: list[tuple[int, int]]) -> Batch:
         indices = [i for i, _ in items]
@@ -69,7 +69,7 @@ class StreamDataset(Dataset):
         if not conditioned:
             y = torch.full((len(items),), -1, dtype=torch.long)
         batch = Batch(x, y, torch.tensor(positions, dtype=torch.long), cluster=self.source.clusters_of(indices))
-        return batch.drawn(self.seed, conditioned)
+        return batch.drawn(self.seed, conditioned) if self.draws else batch
 
 
 def _already_batched(batch):
@@ -78,13 +78,14 @@ def _already_batched(batch):
 
 def stream_loader(source, batch_size: int, seed: int, start: int = 0, rank: int = 0, world: int = 1,
                   workers: int = 0, flip: bool | None = None, schedule: WorkerSchedule | None = None, part: int = 0,
-                  parts: int = 1, own_order: bool = False, pin_memory: bool = False) -> DataLoader:
+                  parts: int = 1, own_order: bool = False, pin_memory: bool = False, draws: bool = True) -> DataLoader:
     """Infinite loader of `Batch`es for this rank's slice of each global batch of `batch_size` images (`world`
     ranks), or, given a schedule, of replica `rank`'s batches (its `part` of `parts`); in page-locked memory with
-    `pin_memory`, for a GPU to copy asynchronously."""
+    `pin_memory`, for a GPU to copy asynchronously. Without `draws`, the batches come without their noise and
+    uniforms, for the objective to draw from the positions at the shape it trains on (a latent run's)."""
     schedule = schedule or WorkerSchedule.even(batch_size, world)
     order = StreamOrder(len(source), schedule, seed, start, rank, part, parts, own_order)
-    dataset = StreamDataset(source, seed, source.flip if flip is None else flip)
+    dataset = StreamDataset(source, seed, source.flip if flip is None else flip, draws)
     # Its own generator: a DataLoader iterator otherwise draws its worker seed from the global RNG,
     # which would shift dropout masks after a resume.
     return DataLoader(dataset, batch_sampler=order, collate_fn=_already_batched, num_workers=workers,

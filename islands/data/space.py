@@ -8,6 +8,7 @@ images before anything looks at them.
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import Tensor
 
@@ -34,6 +35,23 @@ class DataSpace:
         """The horizontal flip the loader applies (data.flip; None: the source's own); a space whose examples hold
         their flips (stored latents) picks them itself, and the loader flips nothing."""
         return flip
+
+    # A space in which the loader's noise has the wrong shape does not have the loader draw it (the objective draws
+    # it from the positions at the shape it trains on, `Batch.drawn`).
+    loader_draws: ClassVar[bool] = True
+
+    def flops_per_image(self, shape: tuple) -> float:
+        """FLOPs spent on each training example of `shape` before the objective (an encoder's forward): none."""
+        return 0.0
+
+    def examples_of(self, x: Tensor) -> Tensor:
+        """A batch as the source holds it -> the examples without noise (what a partition clusters by their
+        'pixels'): themselves; for stored latents, their posterior means."""
+        return x
+
+    def images_of(self, x: Tensor) -> Tensor:
+        """A batch as the source holds it -> images: themselves; for stored latents, their posterior means decoded."""
+        return x
 
     def reference(self, source: Source) -> Source:
         """The images the run's samples are judged against (metrics): the data's examples; for stored latents, the

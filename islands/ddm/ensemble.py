@@ -27,6 +27,7 @@ from islands.flow.paths import PATH_OPTIONS, build_path
 from islands.generate import network_with_weights
 from islands.nets.router import route
 from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, weights_file
+from islands.train.latents import recorded_sha256
 
 MANIFEST = "ensemble.json"
 
@@ -50,7 +51,20 @@ def _entry(root: Path, run: Path, name: str) -> dict:
     entry.update(weights=str(weights.relative_to(root)), sha256=file_sha256(weights), images=int(ckpt.name),
                  path=cfg.flow.path, **cfg.flow.path_options(), prediction=cfg.flow.prediction,
                  model=to_dict(cfg)["model"], **info)
+    if (autoencoder := recorded_sha256(run)) is not None:  # it learnt the latents of these weights
+        entry["autoencoder_sha256"] = autoencoder
     return entry
+
+
+def _one_autoencoder(entries: list[dict]) -> str | None:
+    """The sha256 of the autoencoder weights every member trained on (None: pixels); members that learnt the
+    latents of different weights cannot be mixed."""
+    found = {e.get("autoencoder_sha256") for e in entries if "weights" in e}
+    if len(found) > 1:
+        named = ", ".join(f"{e['name']} {str(e.get('autoencoder_sha256'))[:12]}" for e in entries if "weights" in e)
+        raise CheckpointError(f"the members trained on different autoencoders ({named}); their samples are not in "
+                              "one latent space")
+    return found.pop() if found else None
 
 
 def write_manifest(cfg: Config) -> dict:
@@ -70,6 +84,9 @@ def write_manifest(cfg: Config) -> dict:
     prior = [s / sum(sizes) for s in sizes]
     manifest = {"k": cfg.ddm.k, "prior": prior, "partition": partition.get("method"),
                 "experts": experts, "router": _entry(root, router_dir(cfg), "router")}
+    members = [part for e in experts for part in e.get("ranges", [e])] + [manifest["router"]]
+    if (autoencoder := _one_autoencoder(members)) is not None:  # what sampling decodes with, checked at every open
+        manifest["autoencoder_sha256"] = autoencoder
     if cfg.ddm.t_ranges:
         manifest["t_ranges"] = cfg.ddm.t_ranges
     if partition.get("sizes_by_class"):  # p(cluster | class), for ancestral routing of class-conditional samples

@@ -28,11 +28,13 @@ from islands.ddm.runs import (
 )
 from islands.ddm.sampling import open_sampler
 from islands.eval.evaluate import Evaluator, build_features, entry_key, format_table, generated, record, timed
+from islands.eval.features import Features, Pixels
 from islands.flow.samplers import evaluations_per_sample
 from islands.generate import open_run
 from islands.images import save_samples_picture, save_side_by_side
 from islands.rundir import describe_run, latest_checkpoint, prepare_run_dir, trained_below
 from islands.train.flops import flops_per_image
+from islands.train.latents import open_data_space
 from islands.train.objectives import build_objective
 
 
@@ -54,13 +56,28 @@ def run_partition(cfg: Config, progress: bool = True) -> Partition:
                               "use a new run_dir")
         done.check(source)
         return done
-    features = None
+    # On latents, 'pixels' are what the source holds (images, or stored latents' means: no decoder pass over the data);
+    # other features are of images (stored latents' means decoded, as metrics see them).
+    space = open_data_space(cfg, out)
+    images = space.reference(source)
+    features = SeenThrough(Pixels(), space.examples_of)
     if p.method == "kmeans" and p.features != "pixels":
-        features = build_features(revalidate(cfg.eval, "eval", features=p.features), source, cfg.seed, progress)
+        built = build_features(revalidate(cfg.eval, "eval", features=p.features), images, cfg.seed, progress)
+        features = SeenThrough(built, space.images_of)
     made = partition(source, cfg.ddm.k, p.method, features, p.pca_dim, p.fine, p.balanced, cfg.seed, progress)
     made.save(out)
-    save_cluster_picture(made, source, out / "clusters.png")
+    save_cluster_picture(made, images, out / "clusters.png")
     return made
+
+
+class SeenThrough(Features):
+    """`features` of a batch as `view` turns it from what the source holds (a latent space's means or images)."""
+
+    def __init__(self, features: Features, view):
+        self.features, self.view, self.name = features, view, features.name
+
+    def __call__(self, x):
+        return self.features(self.view(x))
 
 
 def _save_ensemble_config(cfg: Config) -> None:
@@ -89,8 +106,10 @@ def monolith_images(cfg: Config) -> int:
     info = describe_run(expert_runs(cfg, 0)[0])[1]
     shape, num_classes = tuple(info["shape"]), info["num_classes"]
     micro = mono.train.batch_size // mono.train.accumulate
-    per_image = flops_per_image(mono.model, shape, num_classes, build_objective(mono), micro,
-                                checkpointing=mono.train.activation_checkpointing)
+    # a latent monolith encodes its images as the experts did
+    encoder = json.loads((expert_runs(cfg, 0)[0] / "flops.json").read_text()).get("encoder_flops_per_image", 0.0)
+    per_image = encoder + flops_per_image(mono.model, shape, num_classes, build_objective(mono), micro,
+                                          checkpointing=mono.train.activation_checkpointing)
     return max(cfg.train.images, math.ceil(ensemble_training_flops(cfg) / per_image))
 
 
@@ -138,7 +157,7 @@ def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: b
     sampler = open_sampler(root, cfg.sample.model_dump(), routing=routing, seed=cfg.seed)  # `cfg`'s, not the folder's
     mixture = sampler.denoiser
     source = whole_data(cfg)
-    evaluator = Evaluator(source, cfg.eval, cfg.seed, progress)
+    evaluator = Evaluator(sampler.space.reference(source), cfg.eval, cfg.seed, progress)
     mixture.reset_counts()
     sampling = {}
 
@@ -172,7 +191,7 @@ def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) ->
     sampler = open_run(Path(mono.run_dir), cfg.sample.model_dump())  # sampled as the ensemble was
     source = whole_data(cfg)
     clock, opts = {}, sampler.opts
-    evaluator = Evaluator(source, cfg.eval, cfg.seed, progress)
+    evaluator = Evaluator(sampler.space.reference(source), cfg.eval, cfg.seed, progress)
     monolith = evaluator(timed(generated(sampler, cfg.eval.num, progress, seed=cfg.seed), clock), sampler.denoiser)
     monolith["seconds_per_sample"] = clock["seconds"] / cfg.eval.num
     monolith["expert_evaluations_per_sample"] = evaluations_per_sample(

@@ -106,20 +106,23 @@ def router_images(cfg: Config, router: Config) -> int:
     trains the router derives the same number before any expert has finished."""
     from islands.data import build_data  # the data's shape and classes; loaded only when the budget is derived
     from islands.train.flops import flops_per_image
+    from islands.train.latents import open_data_space
     from islands.train.objectives import RouterObjective, build_objective
 
     source = build_data(cfg.data.model_copy(update={"partition": None, "cluster": None}), cfg.seed)
-    shape, classes = tuple(source.shape), cfg.model.num_classes
+    space = open_data_space(cfg, partition_dir(cfg))  # on latents, experts and router encode alike
+    shape, classes = space.example_shape(tuple(source.shape)), cfg.model.num_classes
+    encoder = space.flops_per_image(tuple(source.shape))
     experts = 0.0
     for k in range(cfg.ddm.k):
         e = expert_config(cfg, k)
         micro = e.train.batch_size // e.train.accumulate
         per_image = flops_per_image(e.model, shape, classes, build_objective(e), micro,
                                     checkpointing=e.train.activation_checkpointing)
-        experts += per_image * e.train.images
+        experts += (per_image + encoder) * e.train.images
     objective = RouterObjective(cfg.seed, cfg.ddm.k, cfg.train.label_dropout)
-    per_image = flops_per_image(router.model, shape, classes, objective, router.train.batch_size,
-                                checkpointing=router.train.activation_checkpointing)
+    per_image = encoder + flops_per_image(router.model, shape, classes, objective, router.train.batch_size,
+                                          checkpointing=router.train.activation_checkpointing)
     batches = max(1, round(cfg.ddm.router.flops_fraction * experts / per_image / router.train.batch_size))
     return batches * router.train.batch_size
 

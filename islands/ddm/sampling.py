@@ -10,6 +10,7 @@ from islands.ddm.mixture import DEFAULT_ROUTING, parse_routing
 from islands.ddm.time_gate import load_time_gate
 from islands.errors import ConfigError
 from islands.generate import Sampler, open_run, sample_options
+from islands.train.latents import open_data_space
 
 
 def open_sampler(path: Path, options: dict | None = None, use_ema: bool = True, routing: str | None = None,
@@ -26,7 +27,8 @@ def open_sampler(path: Path, options: dict | None = None, use_ema: bool = True, 
         raise ConfigError(f"{option}: {path} is not an ensemble directory (no {MANIFEST})")
     if (path / "tstages").is_dir():
         gate, cfg, info = load_time_gate(path, use_ema)
-        return Sampler(gate, cfg, tuple(info["shape"]), info["num_classes"], sample_options(cfg, options, device))
+        return Sampler(gate, cfg, tuple(info["shape"]), info["num_classes"], sample_options(cfg, options, device),
+                       space=open_data_space(cfg, Path(cfg.run_dir), device))  # the ranges trained on one autoencoder
     return open_run(path, options, use_ema, device)
 
 
@@ -46,4 +48,6 @@ def open_ensemble(root: Path, options: dict | None = None, routing: str = DEFAUL
     shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)  # load_ensemble ensured one
     opts = opts.model_copy(update={"batch_size": mixture.samples_at_once(opts.batch_size)})
     assignment = functools.partial(ancestral_assignment, mixture, manifest)
-    return Sampler(mixture, cfg, shape, cfg.model.num_classes, opts, assignment, manifest)
+    # on latents: the autoencoder every member trained on, as the manifest recorded it
+    space = open_data_space(cfg, root, device, sha256=manifest.get("autoencoder_sha256"))
+    return Sampler(mixture, cfg, shape, cfg.model.num_classes, opts, assignment, manifest, space)

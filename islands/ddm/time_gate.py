@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from islands.errors import CheckpointError
 from islands.flow.denoiser import Denoiser
 from islands.generate import load_denoiser
+from islands.train.latents import recorded_sha256
 
 
 class TimeGate(nn.Module):
@@ -72,4 +73,7 @@ def load_time_gate(run_dir: Path, use_ema: bool = True) -> tuple[TimeGate, objec
         found = [p.name for p in stages]
         raise CheckpointError(f"{run_dir}: the range experts {found} do not make up one set of flow.t_ranges "
                               f"({bounds}); train each range with 'islands train CONFIG tstage=I'")
+    if len({recorded_sha256(stage) for stage in stages}) > 1:
+        raise CheckpointError(f"{run_dir}: the range experts trained on different autoencoders (their "
+                              "autoencoder.json); their samples are not in one latent space")
     return TimeGate([denoiser for denoiser, _, _ in loaded], bounds), loaded[0][1], loaded[0][2]

@@ -65,9 +65,10 @@ def collective_seconds(kind: str, sent: float, ranks: int, link: Link, sharing: 
 
 class Planner:
     """The prediction for one config (train.images at the global train.batch_size) on one network, for data of
-    `shape` with `num_classes` classes; the network is built on the meta device, so any size costs nothing."""
+    `shape` with `num_classes` classes; the network is built on the meta device, so any size costs nothing. A latent
+    run that encodes its images as it trains pays `encoder_flops` more per image."""
 
-    def __init__(self, cfg, network: Network, shape: tuple, num_classes: int):
+    def __init__(self, cfg, network: Network, shape: tuple, num_classes: int, encoder_flops: float = 0.0):
         self.cfg, self.net_desc, self.shape, self.num_classes = cfg, network, tuple(shape), num_classes
         self.W = network.world
         self.batch, self.images = cfg.train.batch_size, cfg.train.images
@@ -78,7 +79,8 @@ class Planner:
         self.buckets = max(1, math.ceil(dense_bytes(self.net.parameters()) / BUCKET))  # DDP's all-reduces a step
         micro = max(1, self.batch // self.W // cfg.train.accumulate)
         self.flops = flops_per_image(cfg.model, self.shape, num_classes, build_objective(cfg), micro,
-                                     checkpointing=cfg.train.activation_checkpointing)
+                                     checkpointing=cfg.train.activation_checkpointing) + encoder_flops
+        self.encoder_flops = encoder_flops
         self.rate = network.gpu_tflops * 1e12 * network.mfu
 
     # --- pieces ---

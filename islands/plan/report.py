@@ -18,8 +18,10 @@ def duration(hours: float) -> str:
 
 def table(rows: list[Row], planner: Planner) -> str:
     n, cfg = planner.net_desc, planner.cfg
+    encoding = f", {planner.encoder_flops / 1e9:.2f} of them encoding it" if planner.encoder_flops else ""
     head = (f"{cfg.model.arch} ({planner.params / 1e6:.1f}M parameters, {planner.flops / 1e9:.2f} GFLOP per "
-            f"training image), {cfg.train.images:,} images at batch {planner.batch} ({planner.steps:,} steps) on "
+            f"training image{encoding}), {cfg.train.images:,} images at batch {planner.batch} "
+            f"({planner.steps:,} steps) on "
             f"{n.name}: {n.islands} island(s) x {n.nodes_per_island} node(s) x {n.gpus_per_node} = {planner.W} "
             f"accelerators at {n.gpu_tflops:g} TFLOP/s x MFU {n.mfu:g}, overlap {n.overlap:g}")
     lines = [head, f"{'strategy':<20} {'layout':<34} {'MB/step/gpu':>12} {'compute ms':>11} {'comm ms':>10} "
@@ -37,7 +39,8 @@ def write_plan(rows: list[Row], planner: Planner, out: Path) -> tuple[Path, Path
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"network": planner.net_desc.model_dump(), "params": planner.params,
-              "flops_per_image": planner.flops, "images": planner.images, "batch": planner.batch,
+              "flops_per_image": planner.flops, "encoder_flops_per_image": planner.encoder_flops,
+              "images": planner.images, "batch": planner.batch,
               "steps": planner.steps, "rows": [r.as_dict() for r in rows]}
     data = atomic_write_text(out.with_suffix(".json"), json.dumps(record, indent=1))
     hours = {"compute": [r.steps * r.compute_s / 3600 for r in rows],

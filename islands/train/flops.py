@@ -45,8 +45,13 @@ def _replay(model, shape, num_classes, objective, micro_batch, checkpointing, de
     return counter.get_total_flops() / micro_batch
 
 
-def write_flops(run_dir: Path, per_image: float, images: int) -> dict:
+def write_flops(run_dir: Path, per_image: float, images: int, encoder: float = 0.0) -> dict:
+    """RUN/flops.json: the network's training FLOPs per image and, in a latent run that encodes its images as it goes,
+    the encoder's forward per image (`DataSpace.flops_per_image`), which the run pays for too."""
+    per_image += encoder
     record = {"flops_per_image": per_image, "images": images, "training_flops": per_image * images,
               "counted_by": "torch.utils.flop_counter.FlopCounterMode on one step (forward and backward)"}
+    if encoder:
+        record["encoder_flops_per_image"] = encoder
     (Path(run_dir) / "flops.json").write_text(json.dumps(record, indent=1))
     return record

@@ -13,11 +13,14 @@ examples are the stored posteriors, and example n's latent is the same draw from
 image's where the position-keyed flip says so), so such a run trains as the on-the-fly one does.
 """
 
+import copy
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from islands.data import streams
 from islands.data.batch import Batch
@@ -41,8 +44,17 @@ class LatentStage(DataSpace):
     seed: int = field(kw_only=True)
     device: torch.device | str = field(default="cpu", kw_only=True)
 
+    loader_draws: ClassVar[bool] = False  # noise of the images' shape: the objective draws the latents'
+
     def example_shape(self, shape: tuple) -> tuple:
         return tuple(self.autoencoder.latent_shape(tuple(shape)))
+
+    def flops_per_image(self, shape: tuple) -> float:
+        """The encoder's forward (no backward: it is not trained), counted on a copy on the meta device."""
+        ghost = copy.deepcopy(self.autoencoder).to("meta")
+        with FlopCounterMode(display=False) as counter:
+            ghost.encode(torch.zeros(1, *shape, device="meta"))
+        return float(counter.get_total_flops())
 
     @torch.no_grad()
     def encode(self, batch: Batch) -> Batch:
@@ -78,6 +90,18 @@ class StoredLatents(LatentStage):
     def loader_flip(self, flip: bool | None) -> bool:
         return False
 
+    def flops_per_image(self, shape: tuple) -> float:
+        return 0.0  # encoded once, by `islands encode`
+
+    def examples_of(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :x.shape[1] // (2 * self.pairs)]
+
+    @torch.no_grad()
+    def images_of(self, x: torch.Tensor) -> torch.Tensor:
+        """The posterior means decoded (the autoencoder's reconstruction, the closest to the images that the shards
+        hold), clamped to the data range, on the CPU."""
+        return self.autoencoder.decode(self.examples_of(x).float().to(self.device)).clamp(-1, 1).cpu()
+
     def reference(self, source: Source) -> Source:
         return DecodedMeans(source, self)
 
@@ -97,8 +121,7 @@ class StoredLatents(LatentStage):
 
 
 class DecodedMeans(Source):
-    """The images of stored latents, as metrics compare samples with: each example's posterior mean decoded (the
-    autoencoder's reconstruction, the closest to the images that the shards hold), clamped to the data range."""
+    """The images of stored latents, as metrics compare samples with (`StoredLatents.images_of`)."""
 
     def __init__(self, source: Source, stage: StoredLatents):
         self.source, self.stage = source, stage
@@ -108,11 +131,9 @@ class DecodedMeans(Source):
     def __len__(self) -> int:
         return len(self.source)
 
-    @torch.no_grad()
     def get(self, indices):
         x, y = self.source.get(indices)
-        mean = x[:, :x.shape[1] // (2 * self.stage.pairs)].to(self.stage.device)
-        return self.stage.autoencoder.decode(mean).clamp(-1, 1).cpu(), y
+        return self.stage.images_of(x), y
 
 
 def stored_latents(cfg) -> dict | None:
@@ -122,19 +143,25 @@ def stored_latents(cfg) -> dict | None:
     return read_manifest(Path(cfg.data.path)).get("latents")
 
 
-def open_data_space(cfg, run_dir: Path, device="cpu", starting: bool = False) -> DataSpace:
+def recorded_sha256(run_dir: Path) -> str | None:
+    """The sha256 of the autoencoder weights a run trained on (RUN/autoencoder.json), None for a run on pixels."""
+    path = Path(run_dir) / RECORD
+    return json.loads(path.read_text())["sha256"] if path.exists() else None
+
+
+def open_data_space(cfg, run_dir: Path, device="cpu", starting: bool = False, sha256: str | None = None) -> DataSpace:
     """The space the run's network works in: PIXELS, or with data.autoencoder its latent stage, the weights checked
-    against the sha256 the run recorded. A run `starting` is bound by its record only once it has a checkpoint: before
-    that nothing was trained on the folder (a first attempt that failed binds nothing, as its config does not)."""
+    against the sha256 the run recorded (or `sha256`, what an ensemble's manifest recorded of its members). A run
+    `starting` is bound by its record only once it has a checkpoint: before that nothing was trained on the folder (a
+    first attempt that failed binds nothing, as its config does not)."""
     folder, stored = cfg.data.autoencoder, stored_latents(cfg)
     if stored is not None and folder is None:
         raise DataError(f"data.path: {cfg.data.path} holds latents ('islands encode'); data.autoencoder must name the "
                         "autoencoder folder they were encoded with, which decodes the samples")
     if folder is None:
         return PIXELS
-    path = Path(run_dir) / RECORD
-    bound = path.exists() and (not starting or latest_checkpoint(run_dir) is not None)
-    recorded = json.loads(path.read_text())["sha256"] if bound else None
+    bound = not starting or latest_checkpoint(run_dir) is not None
+    recorded = sha256 or (recorded_sha256(run_dir) if bound else None)
     autoencoder = load_autoencoder(folder, sha256=recorded, device=device)
     if stored is None:
         return LatentStage(autoencoder=autoencoder, seed=cfg.seed, device=device)

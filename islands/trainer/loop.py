@@ -73,7 +73,8 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
         return iter(stream_loader(parts.source, batch, cfg.seed, start=images, rank=replica, workers=cfg.data.workers,
                                   flip=parts.space.loader_flip(cfg.data.flip), schedule=schedule, part=part,
                                   parts=replica_ranks,
-                                  own_order=cfg.data.shards is not None, pin_memory=world.device.type == "cuda"))
+                                  own_order=cfg.data.shards is not None, pin_memory=world.device.type == "cuda",
+                                  draws=parts.space.loader_draws))
 
     loader = batches_from(state.images)
     peak_lr = cfg.parallel.worker_lr[replica] if cfg.parallel.worker_lr else cfg.train.lr
@@ -81,7 +82,8 @@ def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
         micro = batch // (shares * accumulate)
         per_image = flops_per_image(cfg.model, parts.shape, parts.num_classes, parts.objective, micro, world.device,
                                     cfg.train.activation_checkpointing)
-        write_flops(parts.run_dir, per_image, schedule.run_length(cfg.train.images))
+        write_flops(parts.run_dir, per_image, schedule.run_length(cfg.train.images),
+                    parts.space.flops_per_image(tuple(parts.source.shape)))
     reporters = build_reporters(parts, state.images, schedule.run_length(cfg.train.images), progress)
     parts.net.train()
     try:

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from islands.data import judged_on, streams
 from islands.data.batch import Batch
 from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
+from islands.data.space import PIXELS
 from islands.eval.evaluate import Evaluator, generated
 from islands.generate import Sampler, run_sample_options
 from islands.images import save_curve, save_grid, save_samples_picture
@@ -203,8 +204,10 @@ class RouterAccuracy(Reporter):
         plain = p.plain_copy()
         if plain is None:
             return
-        probe = fixed_probe(p, min(len(p.source), 2000))
-        if self.exact is None and len(p.source) * math.prod(p.shape) <= EXACT_POSTERIOR_LIMIT:
+        probe = p.space.encode(fixed_probe(p, min(len(p.source), 2000)))  # a latent run: latents
+        # the exact posterior is over the examples themselves: not one draw of their latents, which the router sees
+        small = len(p.source) * math.prod(p.shape) <= EXACT_POSTERIOR_LIMIT
+        if self.exact is None and small and p.space == PIXELS:
             self.exact = exact_cluster_posterior(p.source, p.cfg.model.outputs, p.num_classes)
         report = {"images": step.progress.images, **p.objective.report_by_t(plain, probe, self.exact)}
         atomic_write_text(p.run_dir / "router_accuracy.json", json.dumps(report, indent=1))
