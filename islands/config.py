@@ -66,6 +66,18 @@ class FolderData(_Data):
     check: Literal["decode", "headers"] = "decode"
 
 
+class EmojiData(_Data):
+    """Noto Color Emoji's emoji (islands/data/emoji.py): colour images labelled by their group, with captions."""
+    source: Literal["emoji"] = "emoji"
+    resolution: int = Field(32, gt=0)
+    # The grey level (0 black to 255 white) that the glyphs' transparency is composited onto: white, as they are seen
+    background: int = Field(255, ge=0, le=255)
+    skin_tones: bool = True  # False: only each person's and hand's default (yellow) tone
+    limit: int | None = Field(None, gt=0)  # the first emoji only (after skin_tones): a quick look
+    font: str | None = None  # None: Debian's fonts-noto-color-emoji
+    emoji_test: str | None = None  # Unicode's emoji-test.txt; None: Debian's unicode-data
+
+
 class NpzData(_Data):
     source: Literal["npz"] = "npz"
     path: str
@@ -95,7 +107,7 @@ class GMMData(_Data):
         return self
 
 
-DataConfig = Annotated[Mnist5kData | FashionMnistData | FolderData | NpzData | ShardsData | GMMData,
+DataConfig = Annotated[Mnist5kData | FashionMnistData | FolderData | EmojiData | NpzData | ShardsData | GMMData,
                        Field(discriminator="source")]
 
 
@@ -241,8 +253,8 @@ def _keys_by_kind(tag: str, *variants) -> dict[str, set[str]]:
 
 # Sections with variants: the key that tells them apart, its default, and the keys each kind takes.
 VARIANTS = {
-    "data": ("source", "mnist5k", _keys_by_kind("source", Mnist5kData, FashionMnistData, FolderData, NpzData,
-                                                 ShardsData, GMMData)),
+    "data": ("source", "mnist5k", _keys_by_kind("source", Mnist5kData, FashionMnistData, FolderData, EmojiData,
+                                                 NpzData, ShardsData, GMMData)),
     "model": ("arch", "unet", _keys_by_kind("arch", UNetModel, DiTModel, MLPModel, RouterModel, AutoencoderKLModel)),
     "flow": ("path", "rectified_flow", _keys_by_kind("path", ContinuousFlow, DiscreteFlow)),
 }

@@ -88,20 +88,32 @@ def private_cache(tmp_path_factory):
     os.environ["ISLANDS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
 
 
-def fashion_mnist_or_skip(path=None) -> None:
-    """Skip a test that needs Fashion-MNIST where the data set is absent, but fail in CI (CI=true, as root), where
-    `make test` installs it: there its absence is a broken install, not a reason to pass with tests skipped."""
+def installed_or_skip(paths, packages: str, what: str) -> None:
+    """Skip a test that needs files Debian's `packages` install where one is absent, but fail in CI (CI=true, as
+    root), where `make test` installs them: there their absence is a broken install, not a reason to pass with tests
+    skipped."""
     import os
 
-    from islands.data import sources
-
-    path = path or sources.FASHION_MNIST_DIR
-    if os.path.isdir(path):
+    missing = [str(p) for p in paths if not os.path.exists(p)]
+    if not missing:
         return
     if os.environ.get("CI", "").lower() in ("true", "1") and os.geteuid() == 0:
-        pytest.fail(f"Fashion-MNIST is missing from {path} in CI, where `make test` installs it "
-                    "(apt-get install dataset-fashion-mnist)", pytrace=False)
-    pytest.skip(f"dataset-fashion-mnist absent from {path} (make test installs it where it can)")
+        pytest.fail(f"{what} is missing from {missing[0]} in CI, where `make test` installs it "
+                    f"(apt-get install {packages})", pytrace=False)
+    pytest.skip(f"{packages} absent from {missing[0]} (make test installs it where it can)")
+
+
+def fashion_mnist_or_skip(path=None) -> None:
+    from islands.data import sources
+
+    installed_or_skip([path or sources.FASHION_MNIST_DIR], "dataset-fashion-mnist", "Fashion-MNIST")
+
+
+def emoji_or_skip() -> None:
+    from islands.data import emoji
+
+    installed_or_skip([emoji.EMOJI_FONT, emoji.EMOJI_TEST], "fonts-noto-color-emoji unicode-data",
+                      "the emoji font or list")
 
 
 # Squared, it overflows float32, so the loss of a batch holding it is inf, while its gradients (about 1e18) stay

@@ -70,13 +70,16 @@ class ClusterSubset(Source):
         if len(self.indices) == 0:
             raise DataError(f"data.cluster: cluster {k} of the partition is empty")
         self.shape, self.num_classes, self.flip = source.shape, source.num_classes, source.flip
-        self.quantised = source.quantised
+        self.quantised, self.captioned = source.quantised, source.captioned
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def get(self, indices):
         return self.source.get(self.indices[np.asarray(indices, dtype=np.int64)].tolist())
+
+    def captions(self, indices):
+        return self.source.captions(self.indices[np.asarray(indices, dtype=np.int64)].tolist())
 
 
 class ClusterLabelled(Source):
@@ -87,13 +90,16 @@ class ClusterLabelled(Source):
         self.source, self.cluster = source, torch.from_numpy(cluster)
         self.num_clusters = int(cluster.max()) + 1
         self.shape, self.num_classes, self.flip = source.shape, source.num_classes, source.flip
-        self.quantised = source.quantised
+        self.quantised, self.captioned = source.quantised, source.captioned
 
     def __len__(self) -> int:
         return len(self.source)
 
     def get(self, indices):
         return self.source.get(indices)
+
+    def captions(self, indices):
+        return self.source.captions(indices)
 
     def clusters_of(self, indices):
         return self.cluster[torch.as_tensor(np.asarray(indices, dtype=np.int64))]

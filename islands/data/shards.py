@@ -4,7 +4,8 @@
                               and sha256, the sha256 of the whole, and the data section it was written from
     OUT/shard-000000.tar      examples 0 .. S-1 in the source's order, webdataset's layout: `000000000.png` (or
                               `.x.npy`, float32; `islands encode`'s latents: `.mean.npy`, `.logvar.npy` and the
-                              flip's, stacked along the channels when read) and `000000000.cls` (the class, in ASCII)
+                              flip's, stacked along the channels when read), `000000000.txt` (the caption, UTF-8,
+                              for a captioned source) and `000000000.cls` (the class, in ASCII)
     OUT/shard-000000.idx.npy  int64 (examples, members, 2): the byte offset and size of each member's data, the
                               members in the manifest's order (`members`); `x` names the one that is the example
 
@@ -83,13 +84,19 @@ def _encode(x: torch.Tensor, member: str) -> bytes:
     return buffer.getvalue()
 
 
+def labelling_members(source: Source) -> list[str]:
+    """The members that follow an example's arrays: its caption's and its class's, where the source has them."""
+    return [*(["txt"] if source.captioned else []), *(["cls"] if source.num_classes else [])]
+
+
 class ExampleWriter:
-    """What each example of a source becomes in a shard: its members (the example, `cls`) as bytes. islands encode
+    """What each example of a source becomes in a shard: its members (the example; its caption and class follow,
+    `labelling_members`) as bytes. islands encode
     gives another (the latents' mean and log-variance, of the image and its flip) with a manifest entry of its own."""
 
     def __init__(self, source: Source):
         self.member = example_member(source)
-        self.members = [self.member]  # the class follows, where the source has classes
+        self.members = [self.member]
         self.manifest = {"shape": list(source.shape), "flip": source.flip, "x": self.member}
 
     def __call__(self, x: torch.Tensor) -> list[dict[str, bytes]]:
@@ -120,14 +127,18 @@ def write_part(source: Source, folder: Path, shard_size: int, rank: int = 0, ran
         # fixed owner and time: the same examples make the same bytes, whichever rank or day wrote them
         with TarWriter(str(tar), encoder=False, mtime=0, user="islands", group="islands") as tar_writer:
             for start in range(lo, hi, READ_CHUNK):
-                x, y = source.get(list(range(start, min(hi, start + READ_CHUNK))))
+                chunk = list(range(start, min(hi, start + READ_CHUNK)))
+                x, y = source.get(chunk)
+                captions = source.captions(chunk) if source.captioned else None
                 for j, example in enumerate(members(x)):
                     example = {"__key__": f"{start + j:09d}", **example}
+                    if captions is not None:
+                        example["txt"] = captions[j].encode()
                     if y is not None:
                         example["cls"] = str(int(y[j])).encode()
                     tar_writer.write(example)
                 bar.update(len(x))
-        columns = [*members.members, *(["cls"] if source.num_classes else [])]
+        columns = [*members.members, *labelling_members(source)]
         np.save(folder / index_name(i), _index_of(tar, lo, hi, columns), allow_pickle=False)
         entries.append({"tar": shard_name(i), "index": index_name(i), "examples": hi - lo,
                         "bytes": tar.stat().st_size, "sha256": file_sha256(tar),
@@ -185,7 +196,7 @@ def write_manifest(folder: Path, shards: list[dict], source: Source, shard_size:
     writer = writer or ExampleWriter(source)
     shards = sorted(shards, key=lambda s: s["tar"])
     manifest = {"format": FORMAT, "examples": len(source), **writer.manifest, "num_classes": source.num_classes,
-                "members": [*writer.members, *(["cls"] if source.num_classes else [])],
+                "members": [*writer.members, *labelling_members(source)],
                 "shard_size": shard_size, "sha256": whole_sha256(shards), "made_from": made_from, "shards": shards}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -206,7 +217,8 @@ class ShardSource(Source):
         self.member, self.quantised = m["x"], m["x"] == "png"
         # the columns of the index read: the example's arrays (one, or a latent's mean and log-variance, of the image
         # and of its flip: stacked along the channels, as `islands encode` wrote them), then its class's
-        self.arrays = [i for i, member in enumerate(m["members"]) if member != "cls"]
+        self.arrays = [i for i, member in enumerate(m["members"]) if member not in ("txt", "cls")]
+        self.captioned = "txt" in m["members"]
         self.columns = [*self.arrays, *([m["members"].index("cls")] if self.num_classes else [])]
         self.member_shape = (self.shape[0] // len(self.arrays), *self.shape[1:])
         self.tars = [self.root / s["tar"] for s in m["shards"]]
@@ -223,19 +235,40 @@ class ShardSource(Source):
     def __getstate__(self):  # a worker started by spawn opens its own files
         return {**self.__dict__, "_files": OrderedDict()}
 
-    def get(self, indices):
+    def _locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
+        """-> the shard of each example and its row in it."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"example indices outside 0..{len(self) - 1}")
         shard = np.searchsorted(self.starts, idx, side="right") - 1
-        rows = idx - self.starts[shard]
-        examples, labels = [None] * len(idx), np.zeros(len(idx), dtype=np.int64)
+        return shard, idx - self.starts[shard]
+
+    def get(self, indices):
+        shard, rows = self._locate(indices)
+        examples, labels = [None] * len(rows), np.zeros(len(rows), dtype=np.int64)
         for i in np.lexsort((rows, shard)):  # in file order: each shard read front to back
             examples[i], labels[i] = self._read(int(shard[i]), int(rows[i]))
         if not examples:
             return torch.zeros((0, *self.shape)), (torch.zeros(0, dtype=torch.int64) if self.num_classes else None)
         x = torch.from_numpy(np.stack(examples))
         return (to_unit(x) if self.quantised else x), (torch.from_numpy(labels) if self.num_classes else None)
+
+    def captions(self, indices) -> list[str]:
+        if not self.captioned:
+            raise DataError(f"shard folder {self.root} holds no captions: its examples have no 'txt' member (members: "
+                            f"{', '.join(self.manifest['members'])}); shard a captioned source (data.source emoji)")
+        column = self.manifest["members"].index("txt")
+        return [self._caption(int(s), int(r), column) for s, r in zip(*self._locate(indices), strict=True)]
+
+    def _caption(self, shard: int, row: int, column: int) -> str:
+        at, size = (int(v) for v in self._index(shard)[row, column])
+        data = os.pread(self._file(shard), size, at)
+        try:
+            if len(data) != size:
+                raise ValueError(f"the file ends before byte {at + size}")
+            return data.decode()
+        except ValueError as e:  # a UnicodeDecodeError too
+            raise DataError(f"shard {self.tars[shard]}: the caption of example {row} cannot be read: {e}") from None
 
     def _read(self, shard: int, row: int) -> tuple[np.ndarray, int]:
         where = self._index(shard)[row, self.columns]

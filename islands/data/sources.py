@@ -11,6 +11,7 @@ Sources:
     fashion_mnist  Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)
     folder         a folder of PNG/JPEG images, decoded lazily in get()
     npz            an .npz/.npy array file (images or vectors)
+    emoji          the Noto Color Emoji font's emoji, labelled by group, with captions (islands/data/emoji.py)
     shards         webdataset tar shards written by `islands shard` (islands/data/shards.py)
 
 Every unreadable or corrupt input raises DataError with a one-line message
@@ -43,6 +44,7 @@ class Source(ABC):
     read_from: tuple = ()  # the files its examples are decoded from (data/fingerprint.py remembers their hash)
     quantised: bool = False  # every example is an 8-bit image (k / 127.5 - 1): `islands shard` stores it as a PNG
     options: tuple | None = None  # everything it was built with, set by build_source (None: not known)
+    captioned: bool = False  # every example has a caption: captions(indices)
 
     @abstractmethod
     def __len__(self): ...
@@ -54,6 +56,11 @@ class Source(ABC):
     def clusters_of(self, indices):
         """The examples' clusters of a partition, int64 (n,), for a source seen through one; else None."""
         return None
+
+    def captions(self, indices) -> list[str]:
+        """The captions of the examples, one string each, for a `captioned` source; any other refuses by name."""
+        name = self.options[0] if self.options else type(self).__name__
+        raise DataError(f"the {name} data has no captions (a captioned source: data.source emoji)")
 
     def check(self):  # noqa: B027 -- a hook that only file-backed sources fill in
         """Fail now, naming the file, on an input that would stop a run when a batch
@@ -463,8 +470,12 @@ def build_source(name, **options):
         from islands.data.shards import ShardSource
 
         source = ShardSource(**options)
+    elif name == "emoji":  # its own module: drawing a font and naming its glyphs is a job apart
+        from islands.data.emoji import EmojiSource
+
+        source = EmojiSource(**options)
     elif name not in SOURCES:
-        raise ValueError(f"unknown data source {name!r}; choose from {', '.join([*SOURCES, 'shards'])}")
+        raise ValueError(f"unknown data source {name!r}; choose from {', '.join([*SOURCES, 'emoji', 'shards'])}")
     else:
         source = SOURCES[name](**options)
     source.options = (name, *sorted(options.items()))
