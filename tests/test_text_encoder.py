@@ -206,6 +206,8 @@ BROKEN = {
                     r"1_Pooling/config.json pools by \['pooling_mode_max_tokens'\]; Islands implements one of"),
     "a dense layer": (lambda f: _json(f / "modules.json", lambda m: m + [{"path": "3_Dense", "type": DENSE}]),
                       "modules.json chains .* Islands implements a Transformer"),
+    "no length": (lambda f: _json(f / "sentence_bert_config.json", lambda c: c | {"max_seq_length": "long"}),
+                  "sentence_bert_config.json's max_seq_length 'long' is not a number of tokens"),
     "weights of another size": (lambda f: _json(f / "config.json", lambda c: c | {"intermediate_size": 32}),
                                 f"{WEIGHTS} does not fit its config.json .mismatched keys: encoder.layer.0"),
     "weights of fewer layers": (lambda f: _json(f / "config.json", lambda c: c | {"num_hidden_layers": 2}),

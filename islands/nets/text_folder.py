@@ -102,6 +102,9 @@ def _pooling(folder: Path, architecture: str) -> tuple[str, bool, int | None, bo
                         f"Islands implements one of {', '.join(POOLING_MODES)}")
     settings = _json(folder, "sentence_bert_config.json", required=False) or {}
     max_tokens = settings.get("max_seq_length")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise DataError(f"text encoder folder {folder}: sentence_bert_config.json's max_seq_length {max_tokens!r} "
+                        f"is not a number of tokens")
     return POOLING_MODES[modes[0]], len(modules) == 3, max_tokens, bool(settings.get("do_lower_case", False))
 
 
