@@ -71,19 +71,40 @@ def _sample(args) -> int:
                           "timestep-range experts (no tstages/)")
     sampler = open_sampler(run_dir, options, use_ema=not args.no_ema, routing=args.routing,
                            max_loaded=args.max_loaded)
-    labels = sampler.labels(args.num, args.class_label)
+    prompts = _prompts(args)
+    if prompts and args.class_label is not None:
+        raise ConfigError("--class: a sample is conditioned on a class or on a prompt, not both")
+    labels = sampler.prompted(prompts, args.num) if prompts else sampler.labels(args.num, args.class_label)
     seed = sampler.cfg.seed if args.seed is None else args.seed
     if args.distributed:  # under torchrun: each rank holds some of the experts, or one range expert
         return _sample_distributed(args, sampler, seed, labels)
     x = sampler.generate(args.num, labels, seed, progress=not args.quiet)
-    for path in write_samples(x, labels, Path(args.out)):
+    for path in write_samples(x, None if prompts else labels, Path(args.out)):
         print(f"wrote {path}")
+    if prompts:  # sample i was drawn for prompt i mod len(prompts)
+        written = Path(args.out) / "prompts.txt"
+        written.write_text("".join(f"{prompts[i % len(prompts)]}\n" for i in range(args.num)))
+        print(f"wrote {written}")
     if sampler.manifest is not None:
         opts = sampler.opts
         one_model = evaluations_per_sample(opts.solver, opts.steps, opts.guidance if labels is not None else 1.0)
         print(f"expert evaluations per sample: {sampler.denoiser.evaluations / args.num:.1f} "
               f"({args.routing or DEFAULT_ROUTING} routing; one model would take {one_model})")
     return 0
+
+
+def _prompts(args) -> list[str]:
+    """--prompt (repeatable) and the lines of --prompt-file, in that order; [] for none."""
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        try:
+            lines = Path(args.prompt_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"--prompt-file: cannot read {args.prompt_file}: {err}") from None
+        prompts += [line.strip() for line in lines if line.strip()]
+        if not prompts:
+            raise ConfigError(f"--prompt-file: {args.prompt_file} holds no prompt")
+    return prompts
 
 
 def _sample_distributed(args, sampler, seed, labels) -> int:
@@ -304,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale; 1 = none (default: sample.guidance)")
     p.add_argument("--seed", type=int, help="noise seed; sample i depends only on (seed, i) (default: the run's seed)")
     p.add_argument("--class", dest="class_label", type=int, help="generate only this class (conditional models)")
+    p.add_argument("--prompt", action="append", help="text-conditioned models: sample for this prompt (repeatable; "
+                   "samples take the prompts in turn; OUT/prompts.txt says which)")
+    p.add_argument("--prompt-file", help="text-conditioned models: a file of prompts, one a line")
     p.add_argument("--batch-size", type=int, help="samples per batch; does not change the samples")
     p.add_argument("--precision", choices=_choices("precision"),
                    help="bf16: the networks under bf16 autocast, the solver in fp32; 1.4-1.5x faster on a CPU with "

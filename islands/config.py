@@ -4,6 +4,7 @@ Every error is a `ConfigError` whose one-line message names the offending key or
 line turns it into exit status 2.
 """
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ class _Data(Section):
     # latent diffusion: an AutoencoderKL folder (config.json + diffusion_pytorch_model.safetensors, a user's SD VAE or
     # RUN/autoencoder of our own); each batch is encoded before the objective and samples are decoded
     autoencoder: str | None = None
+    # a text-conditioned run's captions encoder: "minilm" (MiniLM-L6, bundled in the `text` extra) or a folder of a
+    # transformers text model (CLIP's, T5's, ...; islands/nets/text_folder.py)
+    text_encoder: str = "minilm"
 
 
 class Mnist5kData(_Data):
@@ -111,10 +115,31 @@ DataConfig = Annotated[Mnist5kData | FashionMnistData | FolderData | EmojiData |
                        Field(discriminator="source")]
 
 
+def captioned(data) -> bool:
+    """Whether the data has captions: the emoji, or shards whose examples hold a caption."""
+    if data.source == "emoji":
+        return True
+    manifest = Path(data.path) / "manifest.json" if data.source == "shards" else None
+    try:
+        return manifest is not None and "txt" in json.loads(manifest.read_text()).get("members", [])
+    except (OSError, ValueError, AttributeError):
+        return False  # a folder that cannot be read is refused, by name, where the run opens it
+
+
+TEXT_ARCHS = ("dit", "unet")  # the networks that read a caption (cross-attention)
+
+
 # --- model: one variant per network, told apart by `arch` (the registry is islands/nets/__init__.py) ---
 
 class _Model(Section):
     num_classes: int = Field(0, ge=0)  # 0: unconditional; else must match the data's labels
+    # what the network is conditioned on; None: a class with num_classes, else a caption where the data has captions
+    # (data.source emoji, or shards with captions) and the network reads text (dit), else nothing
+    condition: Literal["none", "class", "text"] | None = None
+    # text: the most tokens of a caption (longer ones are cut), and the encoder's widths (None: its config's)
+    text_tokens: int = Field(32, gt=0)
+    text_width: int | None = Field(None, gt=0)
+    text_pooled_width: int | None = Field(None, gt=0)
 
 
 class UNetModel(_Model):
@@ -512,7 +537,27 @@ class Config(Section):
             self.flow.time_sampler = "uniform" if self.model.arch == "mlp" else "logit_normal"
         if self.sample.time_shift is None:  # samples move their times as the training times were moved
             self.sample.time_shift = self.flow.time_shift
+        self._condition()
         return self
+
+    def _condition(self) -> None:
+        """model.condition resolved, and a text network's widths read from its encoder's config."""
+        model = self.model
+        if model.condition is None:
+            model.condition = ("class" if model.num_classes else
+                               "text" if model.arch in TEXT_ARCHS and captioned(self.data) else "none")
+        if (model.condition == "class") != (model.num_classes > 0):
+            raise ValueError(f"model.condition: {model.condition!r} with model.num_classes={model.num_classes} "
+                             "(a class needs num_classes > 0, and only a class does)")
+        if model.condition != "text":
+            return
+        if model.arch not in TEXT_ARCHS:
+            raise ValueError(f"model.condition: text is read by {', '.join(TEXT_ARCHS)} networks, not "
+                             f"{model.arch!r}")
+        if model.text_width is None or model.text_pooled_width is None:
+            from islands.nets.text_folder import text_widths  # transformers' configs, no weights
+
+            model.text_width, model.text_pooled_width = text_widths(self.data.text_encoder)
 
     @model_validator(mode="after")
     def _autoencoder(self):

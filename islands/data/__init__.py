@@ -1,6 +1,7 @@
 """Data sources, the Gaussian-mixture source, and the stream-ordered loader."""
 
 from islands.data.clusters import ClusterLabelled, ClusterSubset, read_clusters
+from islands.data.conditions import WithConditions
 from islands.data.fingerprint import remembered
 from islands.data.gmm import GaussianMixture, GMMSource
 from islands.data.sources import DataError, Source, build_source
@@ -32,14 +33,17 @@ def _passed(source: Source) -> str:
 def judged_on(source: Source) -> Source:
     """The data a model trained on `source` is judged against: a router's or a distilled student's examples carry
     their cluster in the label for training only; samples compare with the data itself."""
-    return source.source if isinstance(source, ClusterLabelled) else source
+    while isinstance(source, ClusterLabelled | WithConditions):  # and a caption's embedding, for training only
+        source = source.source
+    return source
 
 
 def _build_source(cfg, seed: int) -> Source:
     if cfg.source == "gmm":
         return GMMSource(cfg.means, cfg.std, cfg.weights, size=cfg.size, seed=seed)
     # the source's own keys
-    options = cfg.model_dump(exclude={"source", "flip", "workers", "partition", "cluster", "shards", "autoencoder"})
+    options = cfg.model_dump(exclude={"source", "flip", "workers", "partition", "cluster", "shards", "autoencoder",
+                                      "text_encoder"})
     if cfg.source == "fashion_mnist" and options["path"] is None:
         del options["path"]  # the source's default place
     return build_source(cfg.source, **options)

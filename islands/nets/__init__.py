@@ -4,6 +4,7 @@ raise ValueError naming the model key; the builders that read the config turn it
 from torch import nn
 
 from islands.nets.autoencoder import AutoencoderKLNet, autoencoder_kl
+from islands.nets.condition import TextWidths
 from islands.nets.dit import DIT_PRESETS, DiT
 from islands.nets.mlp import MLP
 from islands.nets.router import MLPRouter, TransformerRouter
@@ -13,14 +14,21 @@ from islands.nets.unet import UNet
 def _unet(cfg, shape: tuple, num_classes: int) -> nn.Module:
     return UNet(shape[0], shape[1], channels=cfg.channels, channel_mult=tuple(cfg.channel_mult),
                 num_res_blocks=cfg.num_res_blocks, attention_resolutions=tuple(cfg.attention_resolutions),
-                num_heads=cfg.num_heads or 4, dropout=cfg.dropout, num_classes=num_classes)
+                num_heads=cfg.num_heads or 4, dropout=cfg.dropout, num_classes=num_classes, text=text_widths(cfg))
 
 
 def _dit(cfg, shape: tuple, num_classes: int) -> nn.Module:
     preset = DIT_PRESETS[cfg.preset]
     return DiT(shape[1], shape[0], patch_size=cfg.patch_size, hidden_size=cfg.hidden_size or preset["hidden_size"],
                depth=cfg.depth or preset["depth"], num_heads=cfg.num_heads or preset["num_heads"],
-               mlp_ratio=cfg.mlp_ratio, num_classes=num_classes)
+               mlp_ratio=cfg.mlp_ratio, num_classes=num_classes, text=text_widths(cfg))
+
+
+def text_widths(cfg) -> TextWidths | None:
+    """A text-conditioned network's widths (model.condition text; the config resolved them), else None."""
+    if getattr(cfg, "condition", None) != "text":
+        return None
+    return TextWidths(cfg.text_width, cfg.text_pooled_width, cfg.text_tokens)
 
 
 def _mlp(cfg, shape: tuple, num_classes: int) -> nn.Module:

@@ -1,12 +1,15 @@
 """What a network is conditioned on, and how it takes it: the network owns its condition's embedding, its "none"
 and how a dropped condition reads, so that the data, the objectives and the samplers pass a condition along without
-knowing its kind. Today the kind is a class index; a text embedding is another module with the same methods.
+knowing its kind: a class index (`ClassCondition`) or a caption's embedding (`TextCondition`, packed into one tensor
+by `pack_text`).
 
 Dropping is drawn by the objective from each example's stream (reproducible and resumable, DESIGN.md section 3);
 it asks the network's condition module what a dropped condition is (`drop`), so the network itself stays
 deterministic. The "none" condition is what classifier-free guidance (Ho & Salimans 2022) uses for the unconditional
 prediction; `None` in place of a condition tensor means none for every example.
 """
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -42,10 +45,97 @@ class ClassCondition(nn.Module):
         return self.embedding_table(condition)
 
 
+def pack_text(tokens: Tensor, mask: Tensor, pooled: Tensor) -> Tensor:
+    """A caption's embedding as one condition tensor, batch first, so that everything that moves conditions (batches,
+    samplers, guidance, routing, ranks) moves it as it moves a class: (n, 1 + L, D + 1), D = max(width,
+    pooled_width). Row 0 holds the pooled vector and, in its last column, 1 (a caption; 0: none); rows 1..L hold the
+    token states and, in the last column, the attention mask."""
+    n, length, width = tokens.shape
+    depth = max(width, pooled.shape[1])
+    packed = tokens.new_zeros(n, 1 + length, depth + 1, dtype=torch.float32)
+    packed[:, 0, :pooled.shape[1]] = pooled
+    packed[:, 0, depth] = 1.0
+    packed[:, 1:, :width] = tokens
+    packed[:, 1:, depth] = mask.to(packed.dtype)
+    return packed
+
+
+@dataclass(frozen=True)
+class TextWidths:
+    """What a text-conditioned network is built for: its text encoder's token and pooled widths, and the most tokens
+    a caption of its data has (the cross-attention's context length, which FLOP counts price)."""
+
+    width: int
+    pooled_width: int
+    tokens: int
+
+
+class TextCondition(nn.Module):
+    """A caption, packed by `pack_text`: its pooled vector joins the timestep's embedding (SD3's adaLN input), its
+    token states are the context that cross-attention reads (PixArt-alpha). A dropped caption is a learned null (a
+    pooled vector and one token, PixArt-alpha's learned `y_embedding`), not the empty caption's embedding, so the
+    network alone knows what "none" is and sampling needs no text encoder for the unconditional branch."""
+
+    kind = "text"
+
+    def __init__(self, widths: TextWidths, hidden_size: int):
+        super().__init__()
+        width, pooled_width = widths.width, widths.pooled_width
+        self.widths, self.width, self.pooled_width = widths, width, pooled_width
+        self.depth = max(width, pooled_width)
+        self.pooled = nn.Sequential(nn.Linear(pooled_width, hidden_size), nn.SiLU(),
+                                    nn.Linear(hidden_size, hidden_size))
+        self.tokens = nn.Sequential(nn.Linear(width, hidden_size), nn.GELU(), nn.Linear(hidden_size, hidden_size))
+        self.null_pooled = nn.Parameter(torch.zeros(pooled_width))
+        self.null_token = nn.Parameter(torch.zeros(width))
+
+    def null(self, batch: int, device) -> Tensor:
+        """No caption, for `batch` examples (one empty token row: `context` puts the learned null there)."""
+        return torch.zeros(batch, 2, self.depth + 1, device=device)
+
+    def or_null(self, condition: Tensor | None, batch: int, device) -> Tensor:
+        return self.null(batch, device) if condition is None else condition
+
+    def placeholder(self, batch: int, device) -> Tensor:
+        """Captions of the most tokens, all given (zero states): what a FLOP count runs the network on."""
+        return pack_text(torch.zeros(batch, self.widths.tokens, self.width, device=device),
+                         torch.ones(batch, self.widths.tokens, dtype=torch.bool, device=device),
+                         torch.zeros(batch, self.pooled_width, device=device))
+
+    def drop(self, condition: Tensor, dropped: Tensor) -> Tensor:
+        """`condition` with the captions where `dropped` is True made none (their flag cleared)."""
+        out = condition.clone()
+        out[:, 0, self.depth] = condition[:, 0, self.depth] * (~dropped).to(condition.dtype)
+        return out
+
+    def embed(self, condition: Tensor | None, batch: int, device) -> Tensor:
+        """(batch, hidden_size): each caption's pooled vector, or the learned null's, through the projection."""
+        condition = self.or_null(condition, batch, device)
+        given = condition[:, 0, self.depth:].to(self.null_pooled.dtype)  # (batch, 1)
+        pooled = given * condition[:, 0, :self.pooled_width] + (1 - given) * self.null_pooled
+        return self.pooled(pooled)
+
+    def context(self, condition: Tensor | None, batch: int, device) -> tuple[Tensor, Tensor]:
+        """(tokens (batch, L, hidden_size), mask (batch, L) bool): each caption's token states through the
+        projection; a dropped caption reads the learned null token alone."""
+        condition = self.or_null(condition, batch, device)
+        given = condition[:, :1, self.depth:].to(self.null_token.dtype)  # (batch, 1, 1)
+        states = condition[:, 1:, :self.width]
+        null = torch.zeros_like(states)
+        null[:, 0] = self.null_token
+        mask = condition[:, 1:, self.depth] > 0.5
+        first = torch.zeros_like(mask)
+        first[:, 0] = True
+        return self.tokens(given * states + (1 - given) * null), torch.where(given[:, :, 0] > 0.5, mask, first)
+
+    def forward(self, condition: Tensor) -> Tensor:
+        return self.embed(condition, condition.shape[0], condition.device)
+
+
 class Conditioned:
     """A network whose `embed` (islands.nets.layers.ConditionEmbedder) holds its condition module."""
 
     @property
-    def condition(self) -> ClassCondition | None:
+    def condition(self) -> ClassCondition | TextCondition | None:
         """How this network embeds and drops its condition; None for an unconditional network."""
         return self.embed.condition

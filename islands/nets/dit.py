@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from islands.nets.condition import Conditioned
+from islands.nets.condition import ClassCondition, Conditioned, TextWidths
 from islands.nets.layers import ConditionEmbedder, StagedNetwork, modulate
 
 # Model sizes from the paper, Table 1.
@@ -73,12 +73,37 @@ class Attention(nn.Module):
         return self.proj(x.transpose(1, 2).reshape(B, T, D))
 
 
+class CrossAttention(nn.Module):
+    """Queries from the image tokens, keys and values from a caption's tokens, padding masked out (PixArt-alpha's
+    cross-attention, Chen et al. 2023, Sec. 2.3). Its output projection starts at zero, so the block starts as the
+    identity, as adaLN-Zero's gates make every other branch start."""
+
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, context, mask):
+        B, T, D = x.shape
+        heads, width = self.num_heads, D // self.num_heads
+        q = self.q(x).reshape(B, T, heads, width).transpose(1, 2)
+        k, v = self.kv(context).reshape(B, -1, 2, heads, width).permute(2, 0, 3, 1, 4).unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+        return self.proj(x.transpose(1, 2).reshape(B, T, D))
+
+
 class DiTBlock(nn.Module):
     """Transformer block with adaLN-Zero: the conditioning regresses shift, scale and a gate
-    for each branch; the gates start at zero, so the block starts as identity (paper Sec. 3.2)."""
+    for each branch; the gates start at zero, so the block starts as identity (paper Sec. 3.2). With
+    `cross_attention`, a caption's tokens are read between self-attention and the MLP (PixArt-alpha's block)."""
 
-    def __init__(self, hidden_size, num_heads, mlp_ratio=4.0):
+    def __init__(self, hidden_size, num_heads, mlp_ratio=4.0, cross_attention=False):
         super().__init__()
+        if cross_attention:
+            self.norm_cross = nn.LayerNorm(hidden_size, elementwise_affine=True, eps=1e-6)
+            self.cross_attn = CrossAttention(hidden_size, num_heads)
         mlp_hidden = int(hidden_size * mlp_ratio)
         self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.attn = Attention(hidden_size, num_heads)
@@ -92,9 +117,11 @@ class DiTBlock(nn.Module):
         )
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
 
-    def forward(self, x, c):
+    def forward(self, x, c, context=None, mask=None):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
         x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        if context is not None:
+            x = x + self.cross_attn(self.norm_cross(x), context.to(x.dtype), mask)
         x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
         return x
 
@@ -117,7 +144,7 @@ class DiT(Conditioned, StagedNetwork):
     stem_modules, head_modules = ("x_embedder", "embed"), ("final_layer",)
 
     def __init__(self, input_size, in_channels, patch_size=2, hidden_size=384, depth=12, num_heads=6,
-                 mlp_ratio=4.0, num_classes=0):
+                 mlp_ratio=4.0, num_classes=0, text: TextWidths | None = None):
         super().__init__()
         if input_size % patch_size:
             raise ValueError(f"input_size ({input_size}) must be divisible by patch_size ({patch_size})")
@@ -132,11 +159,12 @@ class DiT(Conditioned, StagedNetwork):
         self.num_classes = num_classes
 
         self.x_embedder = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size)
-        self.embed = ConditionEmbedder(hidden_size, num_classes)
+        self.embed = ConditionEmbedder(hidden_size, num_classes, text=text)
         # Fixed, not learned. A persistent buffer, so loading a checkpoint restores it even
         # when the model was built on the meta device.
         self.register_buffer("pos_embed", torch.zeros(1, self.grid_size ** 2, hidden_size))
-        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth))
+        self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, cross_attention=text is not None)
+                                    for _ in range(depth))
         self.final_layer = FinalLayer(hidden_size, patch_size, in_channels)
         self.initialize_weights()
 
@@ -152,8 +180,11 @@ class DiT(Conditioned, StagedNetwork):
         # Patch embedding initialised like a linear layer on flattened patches.
         nn.init.xavier_uniform_(self.x_embedder.weight.view(self.x_embedder.weight.shape[0], -1))
         nn.init.zeros_(self.x_embedder.bias)
-        if self.embed.label is not None:
+        if isinstance(self.embed.label, ClassCondition):
             nn.init.normal_(self.embed.label.embedding_table.weight, std=0.02)
+        for block in self.blocks:  # cross-attention starts silent (CrossAttention)
+            if hasattr(block, "cross_attn"):
+                nn.init.zeros_(block.cross_attn.proj.weight)
         nn.init.normal_(self.embed.time.mlp[0].weight, std=0.02)
         nn.init.normal_(self.embed.time.mlp[2].weight, std=0.02)
         # adaLN-Zero: every block starts as the identity and the output starts at zero.
@@ -178,12 +209,13 @@ class DiT(Conditioned, StagedNetwork):
         # faster with the same loss curve (docs/BENCHMARKS.md, networks).
         x = self.x_embedder(x).flatten(2).transpose(1, 2)  # (B, T, D)
         x = x + self.pos_embed.to(x.dtype)
-        return x, self.embed(t, cond)
+        context = self.embed.context(cond, x.shape[0], x.device)  # a caption's tokens and mask; () for a class
+        return x, self.embed(t, cond), *context
 
     def block_forward(self, i, carry):
-        x, c = carry
-        return self.blocks[i](x, c), c
+        x, c, *context = carry
+        return self.blocks[i](x, c, *context), c, *context
 
     def head(self, carry):
-        x, c = carry
+        x, c = carry[:2]
         return self.unpatchify(self.final_layer(x, c))

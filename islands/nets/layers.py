@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn as nn
 
-from islands.nets.condition import ClassCondition
+from islands.nets.condition import ClassCondition, TextCondition, TextWidths
 
 
 def timestep_embedding(t, dim, max_period=10000):
@@ -42,16 +42,18 @@ class TimestepEmbedder(nn.Module):
 
 
 class ConditionEmbedder(nn.Module):
-    """Time embedding plus, when num_classes > 0, the condition's embedding (ADM / DiT sum them)."""
+    """Time embedding plus the condition's embedding (ADM / DiT sum them): a class's when num_classes > 0, a
+    caption's pooled vector given `text` (SD3 adds it to the timestep's the same way)."""
 
-    def __init__(self, hidden_size, num_classes=0, frequency_size=256):
+    def __init__(self, hidden_size, num_classes=0, frequency_size=256, text: TextWidths | None = None):
         super().__init__()
         self.time = TimestepEmbedder(hidden_size, frequency_size)
         # named `label` in the checkpoints of every run so far (embed.label.embedding_table.weight)
-        self.label = ClassCondition(num_classes, hidden_size) if num_classes > 0 else None
+        self.label = (TextCondition(text, hidden_size) if text is not None else
+                      ClassCondition(num_classes, hidden_size) if num_classes > 0 else None)
 
     @property
-    def condition(self) -> ClassCondition | None:
+    def condition(self) -> ClassCondition | TextCondition | None:
         return self.label
 
     def forward(self, t, cond=None):
@@ -59,6 +61,10 @@ class ConditionEmbedder(nn.Module):
         if self.label is not None:
             emb = emb + self.label.embed(cond, t.shape[0], t.device)
         return emb
+
+    def context(self, cond, batch: int, device) -> tuple:
+        """What cross-attention reads: a caption's (tokens, mask); () for any other condition."""
+        return self.label.context(cond, batch, device) if isinstance(self.label, TextCondition) else ()
 
 
 def modulate(x, shift, scale):

@@ -226,3 +226,22 @@ def _quiet(logging):
         logging.set_verbosity(level)
         if bars:
             logging.enable_progress_bar()
+
+
+def text_widths(name: str) -> tuple[int, int]:
+    """(token width, pooled width) of the text encoder `name` ("minilm", or a folder) from its config files alone,
+    for a config to size its network before any weights are read."""
+    folder = minilm_folder() if name == "minilm" else Path(name)
+    config = _json(folder, CONFIG)
+    architecture = _architecture(folder, config)
+    width = int(config.get("hidden_size") or config.get("d_model") or 0)
+    if width < 1:
+        raise DataError(f"text encoder folder {folder}: {CONFIG} gives no hidden_size or d_model")
+    pooling = _pooling(folder, architecture)[0]
+    return width, int(config.get("projection_dim") or width) if pooling == "text_embeds" else width
+
+
+def open_text_encoder(name: str, sha256: str | None = None, device="cpu") -> TransformersTextEncoder:
+    """The text encoder a config names: "minilm" (the bundled MiniLM-L6, its weights pinned) or a folder (checked
+    against `sha256`, what a run recorded, when given)."""
+    return bundled_text_encoder(device) if name == "minilm" else load_text_encoder(name, sha256, device)

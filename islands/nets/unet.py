@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from islands.nets.condition import Conditioned
+from islands.nets.condition import Conditioned, TextWidths
 from islands.nets.layers import ConditionEmbedder, StagedNetwork, group_norm, zero_module
 
 
@@ -61,17 +61,43 @@ class AttentionBlock(nn.Module):
         return x + self.proj(h)
 
 
-class UNetBlock(nn.Module):
-    """One ResBlock, optionally followed by self-attention: the unit of the down and up paths."""
+class CrossAttentionBlock(nn.Module):
+    """Every spatial position attends to a caption's tokens (the U-Net of latent diffusion, Rombach et al. 2022,
+    Sec. 3.3), padding masked out, with a residual connection whose projection starts at zero."""
 
-    def __init__(self, in_channels, out_channels, emb_dim, attention, num_heads, dropout):
+    def __init__(self, channels, context_dim, num_heads):
+        super().__init__()
+        self.num_heads = num_heads
+        self.norm = group_norm(channels)
+        self.q = nn.Conv2d(channels, channels, 1)
+        self.kv = nn.Linear(context_dim, 2 * channels)
+        self.proj = zero_module(nn.Conv2d(channels, channels, 1))
+
+    def forward(self, x, context, mask):
+        B, C, H, W = x.shape
+        heads = self.num_heads
+        q = self.q(self.norm(x)).reshape(B, heads, C // heads, H * W).transpose(-1, -2).contiguous()
+        k, v = self.kv(context.to(x.dtype)).reshape(B, -1, 2, heads, C // heads).permute(2, 0, 3, 1, 4).unbind(0)
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+        return x + self.proj(h.transpose(-1, -2).reshape(B, C, H, W))
+
+
+class UNetBlock(nn.Module):
+    """One ResBlock, optionally followed by self-attention (and, for a caption, cross-attention to its tokens): the
+    unit of the down and up paths."""
+
+    def __init__(self, in_channels, out_channels, emb_dim, attention, num_heads, dropout, context_dim=None):
         super().__init__()
         self.res = ResBlock(in_channels, out_channels, emb_dim, dropout)
         self.attn = AttentionBlock(out_channels, num_heads) if attention else None
+        if attention and context_dim:
+            self.cross = CrossAttentionBlock(out_channels, context_dim, num_heads)
 
-    def forward(self, x, emb):
+    def forward(self, x, emb, context=None, mask=None):
         x = self.res(x, emb)
-        return self.attn(x) if self.attn is not None else x
+        if self.attn is not None:
+            x = self.attn(x)
+        return self.cross(x, context, mask) if context is not None else x
 
 
 class Downsample(nn.Module):
@@ -81,21 +107,24 @@ class Downsample(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
 
-    def forward(self, x, emb):
-        return self.conv(x)  # emb unused; the signature matches the other blocks
+    def forward(self, x, emb, context=None, mask=None):
+        return self.conv(x)  # emb and context unused; the signature matches the other blocks
 
 
 class MiddleBlock(nn.Module):
     """ResBlock - attention - ResBlock at the lowest resolution."""
 
-    def __init__(self, channels, emb_dim, num_heads, dropout):
+    def __init__(self, channels, emb_dim, num_heads, dropout, context_dim=None):
         super().__init__()
         self.res1 = ResBlock(channels, channels, emb_dim, dropout)
         self.attn = AttentionBlock(channels, num_heads)
+        if context_dim:
+            self.cross = CrossAttentionBlock(channels, context_dim, num_heads)
         self.res2 = ResBlock(channels, channels, emb_dim, dropout)
 
-    def forward(self, x, emb):
-        return self.res2(self.attn(self.res1(x, emb)), emb)
+    def forward(self, x, emb, context=None, mask=None):
+        h = self.attn(self.res1(x, emb))
+        return self.res2(self.cross(h, context, mask) if context is not None else h, emb)
 
 
 class UNet(Conditioned, StagedNetwork):
@@ -110,12 +139,16 @@ class UNet(Conditioned, StagedNetwork):
     stem_modules, head_modules = ("embed", "conv_in"), ("norm_out", "conv_out")
 
     def __init__(self, in_channels, resolution, channels=64, channel_mult=(1, 2, 2), num_res_blocks=2,
-                 attention_resolutions=(16,), num_heads=4, dropout=0.0, num_classes=0):
+                 attention_resolutions=(16,), num_heads=4, dropout=0.0, num_classes=0,
+                 text: TextWidths | None = None):
         super().__init__()
         self.num_classes = num_classes
         self.input_shape = (in_channels, resolution, resolution)
         emb_dim = 4 * channels
-        self.embed = ConditionEmbedder(emb_dim, num_classes, frequency_size=channels)
+        self.embed = ConditionEmbedder(emb_dim, num_classes, frequency_size=channels, text=text)
+        # a caption's tokens, projected to emb_dim by the condition module, read where there is self-attention
+        context = emb_dim if text is not None else None
+        self.reads_text = text is not None
         self.conv_in = nn.Conv2d(in_channels, channels, 3, padding=1)
 
         # Feature-map side at each level: a stride-2 conv maps n to (n + 1) // 2.
@@ -129,7 +162,7 @@ class UNet(Conditioned, StagedNetwork):
         ch = channels
         for level, mult in enumerate(channel_mult):
             for _ in range(num_res_blocks):
-                blocks.append(UNetBlock(ch, mult * channels, emb_dim, use_attn[level], num_heads, dropout))
+                blocks.append(UNetBlock(ch, mult * channels, emb_dim, use_attn[level], num_heads, dropout, context))
                 ch = mult * channels
                 skip_channels.append(ch)
             if level < len(channel_mult) - 1:
@@ -137,14 +170,14 @@ class UNet(Conditioned, StagedNetwork):
                 skip_channels.append(ch)
         self.num_down = len(blocks)
 
-        blocks.append(MiddleBlock(ch, emb_dim, num_heads, dropout))
+        blocks.append(MiddleBlock(ch, emb_dim, num_heads, dropout, context))
 
         # One more block per level than on the way down: it consumes the Downsample's skip
         # (or conv_in's at the top level).
         for level, mult in reversed(list(enumerate(channel_mult))):
             for _ in range(num_res_blocks + 1):
                 blocks.append(UNetBlock(ch + skip_channels.pop(), mult * channels, emb_dim,
-                                        use_attn[level], num_heads, dropout))
+                                        use_attn[level], num_heads, dropout, context))
                 ch = mult * channels
         self.blocks = nn.ModuleList(blocks)
 
@@ -153,19 +186,22 @@ class UNet(Conditioned, StagedNetwork):
 
     def stem(self, x, t, cond=None):
         h = self.conv_in(x)
-        return h, self.embed(t, cond), h
+        context = self.embed.context(cond, x.shape[0], x.device)  # a caption's tokens and mask; () otherwise
+        return h, self.embed(t, cond), *context, h
 
     def block_forward(self, i, carry):
-        h, emb, *skips = carry
+        # (h, emb, [tokens, mask,] *skips): the caption travels beside the embedding
+        h, emb, *rest = carry
+        context, skips = (rest[:2], rest[2:]) if self.reads_text else ((), rest)
         if i < self.num_down:
-            h = self.blocks[i](h, emb)
-            return h, emb, *skips, h
+            h = self.blocks[i](h, emb, *context)
+            return h, emb, *context, *skips, h
         if i == self.num_down:
-            return self.blocks[i](h, emb), emb, *skips
+            return self.blocks[i](h, emb, *context), emb, *context, *skips
         skip = skips.pop()
         if h.shape[-2:] != skip.shape[-2:]:
             h = F.interpolate(h, size=skip.shape[-2:], mode="nearest")
-        return self.blocks[i](torch.cat([h, skip], dim=1), emb), emb, *skips
+        return self.blocks[i](torch.cat([h, skip], dim=1), emb, *context), emb, *context, *skips
 
     def head(self, carry):
         return self.conv_out(F.silu(self.norm_out(carry[0])))

@@ -50,11 +50,12 @@ class LatentStage(DataSpace):
         return tuple(self.autoencoder.latent_shape(tuple(shape)))
 
     def flops_per_image(self, shape: tuple) -> float:
-        """The encoder's forward (no backward: it is not trained), counted on a copy on the meta device."""
-        ghost = copy.deepcopy(self.autoencoder).to("meta")
-        with FlopCounterMode(display=False) as counter:
-            ghost.encode(torch.zeros(1, *shape, device="meta"))
-        return float(counter.get_total_flops())
+        """The encoder's forward (no backward: it is not trained), counted on a copy on the meta device, or where an
+        op has no meta kernel there, on one real image (as islands.train.flops falls back)."""
+        try:
+            return _encoder_flops(copy.deepcopy(self.autoencoder).to("meta"), shape, "meta")
+        except (RuntimeError, NotImplementedError):
+            return _encoder_flops(self.autoencoder, shape, self.device)
 
     @torch.no_grad()
     def encode(self, batch: Batch) -> Batch:
@@ -71,6 +72,12 @@ class LatentStage(DataSpace):
         and handed back on the samples'."""
         images = self.autoencoder.from_diffusion(samples.to(self.device).float())
         return images.clamp(-1, 1).to(samples.device)
+
+
+def _encoder_flops(autoencoder: Autoencoder, shape: tuple, device) -> float:
+    with FlopCounterMode(display=False) as counter:
+        autoencoder.encode(torch.zeros(1, *shape, device=device))
+    return float(counter.get_total_flops())
 
 
 @dataclass(frozen=True)

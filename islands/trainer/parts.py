@@ -31,6 +31,7 @@ from islands.rundir import (
     write_config,
     write_model_description,
 )
+from islands.train.captions import condition_on_captions, record_text_encoder
 from islands.train.checkpoint import adam_state, read_sharded, write_checkpoint
 from islands.train.ema import EMA
 from islands.train.latents import open_data_space, record_data_space
@@ -186,6 +187,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
             raise ConfigError(f"data.shards: {cfg.data.shards} has {int(clusters.max()) + 1} clusters for "
                               f"{len(schedule.batches)} replicas")
         source = ClusterSubset(source, clusters, replica)
+    source = condition_on_captions(cfg, run_dir, source, world.device)  # model.condition text: caption embeddings
     shape, num_classes = tuple(source.shape), cfg.model.num_classes
     with config_errors("data.autoencoder"):  # a latent run's network learns the latents of the images
         shape = space.example_shape(shape)
@@ -212,6 +214,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
         write_config(cfg)
         write_model_description(run_dir, shape, num_classes)
         record_data_space(cfg, run_dir, space)
+        record_text_encoder(cfg, run_dir, source)
     return Parts(cfg, world, strategy, run_dir, source, shape, num_classes, net, model, opt, ema, scaler, objective,
                  space)
 

@@ -1,0 +1,31 @@
+"""A source whose examples carry a condition computed for them once, in place of their label."""
+
+import torch
+
+from islands.data.sources import Source
+
+
+class WithConditions(Source):
+    """`source`'s examples, each with row n of `table` as its condition in place of its label (a text-conditioned
+    run: its caption's packed embedding, islands/train/captions.py)."""
+
+    def __init__(self, source: Source, table: torch.Tensor):
+        self.source, self.table = source, table
+        self.shape, self.num_classes, self.flip = source.shape, source.num_classes, source.flip
+        self.read_from, self.quantised, self.captioned = source.read_from, source.quantised, True
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def get(self, indices):
+        x, _ = self.source.get(indices)
+        return x, self.table[torch.as_tensor(list(indices), dtype=torch.long)]
+
+    def captions(self, indices) -> list[str]:
+        return self.source.captions(indices)
+
+    def clusters_of(self, indices):
+        return self.source.clusters_of(indices)
+
+    def check(self):
+        self.source.check()

@@ -1,0 +1,93 @@
+"""A text-conditioned run's condition (`model.condition: text`): each example's caption, encoded once by the run's
+text encoder (`data.text_encoder`) into a table of packed embeddings (islands/nets/condition.pack_text), which the
+source hands the loader in place of a label. Training never runs the text encoder: the table is computed when the
+run starts (or read from the cache, keyed on the encoder's weights, the token count and every caption), so a caption's
+embedding is the same at every step and after a resume. Captions longer than `model.text_tokens` tokens are cut.
+
+The run records the encoder (RUN/text_encoder.json: its name and weights' sha256) and every later start and every
+prompt it samples from is encoded by those weights or refused.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from islands.data.conditions import WithConditions
+from islands.data.fingerprint import cache_dir
+from islands.data.sources import Source
+from islands.errors import DataError
+from islands.nets.condition import pack_text
+from islands.nets.text_encoder import TextEncoder
+from islands.nets.text_folder import open_text_encoder
+from islands.rundir import atomic_write_text, latest_checkpoint
+
+RECORD = "text_encoder.json"
+BATCH = 256  # captions encoded at once
+
+
+def encode_captions(encoder: TextEncoder, captions: list[str], tokens: int, progress: bool = False) -> torch.Tensor:
+    """Captions -> their packed embeddings (n, 1 + tokens, D + 1), float32 on the CPU, `BATCH` at a time."""
+    parts = []
+    for lo in tqdm(range(0, len(captions), BATCH), disable=not progress, desc="captions", unit="batch"):
+        e = encoder.encode(captions[lo:lo + BATCH], pad_to=tokens)
+        parts.append(pack_text(e.tokens.float(), e.mask, e.pooled.float()).cpu())
+    return torch.cat(parts)
+
+
+def caption_table(source: Source, encoder: TextEncoder, tokens: int, progress: bool = False) -> torch.Tensor:
+    """Every caption of `source` encoded, read from the cache where the same encoder (by its weights' sha256) encoded
+    the same captions at the same token count before."""
+    captions = source.captions(range(len(source)))
+    key = hashlib.sha256(json.dumps([encoder.sha256, tokens, captions]).encode()).hexdigest()
+    path = cache_dir() / "captions" / f"{key}.safetensors"
+    if path.exists():  # written whole by this code (renamed into place), read without unpickling
+        return load_file(path)["table"]
+    table = encode_captions(encoder, captions, tokens, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{id(table)}")
+    save_file({"table": table.contiguous()}, partial)
+    partial.replace(path)
+    return table
+
+
+def recorded_text_encoder(run_dir: Path) -> str | None:
+    """The sha256 of the text encoder's weights a run trained with (RUN/text_encoder.json), None without one."""
+    path = Path(run_dir) / RECORD
+    return json.loads(path.read_text())["sha256"] if path.exists() else None
+
+
+def open_run_text_encoder(cfg, run_dir: Path, device="cpu", starting: bool = False) -> TextEncoder:
+    """The run's text encoder, checked against its record (a run `starting` is bound once it has a checkpoint) and
+    against the widths its network was built for."""
+    bound = not starting or latest_checkpoint(run_dir) is not None
+    encoder = open_text_encoder(cfg.data.text_encoder, recorded_text_encoder(run_dir) if bound else None, device)
+    model = cfg.model
+    if (encoder.width, encoder.pooled_width) != (model.text_width, model.text_pooled_width):
+        raise DataError(f"data.text_encoder: {cfg.data.text_encoder} gives {encoder.width}-wide tokens and a "
+                        f"{encoder.pooled_width}-wide pooled vector; the network reads {model.text_width} and "
+                        f"{model.text_pooled_width}")
+    return encoder
+
+
+def condition_on_captions(cfg, run_dir: Path, source: Source, device="cpu", progress: bool = False) -> Source:
+    """`source` as a text-conditioned run reads it (each example with its caption's embedding), or as it is for any
+    other condition."""
+    if cfg.model.condition != "text":
+        return source
+    if not source.captioned:
+        raise DataError(f"model.condition: text, but the data ({cfg.data.source}) has no captions")
+    encoder = open_run_text_encoder(cfg, run_dir, device, starting=True)
+    conditioned = WithConditions(source, caption_table(source, encoder, cfg.model.text_tokens, progress))
+    conditioned.encoder_sha256 = encoder.sha256
+    return conditioned
+
+
+def record_text_encoder(cfg, run_dir: Path, source: Source) -> None:
+    """RUN/text_encoder.json for a text-conditioned run: the encoder it names and its weights' sha256."""
+    if isinstance(source, WithConditions):
+        record = {"text_encoder": cfg.data.text_encoder, "sha256": source.encoder_sha256}
+        atomic_write_text(Path(run_dir) / RECORD, json.dumps(record, indent=1))

@@ -1,0 +1,145 @@
+"""Text-conditioned networks (`model.condition: text`): a caption's packed embedding, its dropout to a learned null,
+cross-attention that reads real tokens only, training on the emoji's captions that resumes bit-identically, and
+`islands sample --prompt`."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import emoji_or_skip, write_config
+
+from islands.cli import main
+from islands.config import validate
+from islands.nets import build_network
+from islands.nets.condition import TextCondition, TextWidths, pack_text
+from islands.rundir import latest_checkpoint, load_weights
+from islands.trainer import train
+
+
+def randomised(net: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter random: the zero-initialised branches (adaLN-Zero, cross-attention's output) would hide what
+    the test looks for."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return net.eval()
+
+
+def caption(tokens: int, real: int, seed: int = 0, width: int = 12) -> torch.Tensor:
+    """One caption of `real` tokens, padded to `tokens`, packed; its pad states random (what an encoder gives pads)."""
+    gen = torch.Generator().manual_seed(seed)
+    states, pooled = torch.randn(1, tokens, width, generator=gen), torch.randn(1, width, generator=gen)
+    return pack_text(states, torch.arange(tokens)[None] < real, pooled)
+
+
+NETWORKS = {"dit": {"arch": "dit", "hidden_size": 16, "depth": 2, "num_heads": 2},
+            "unet": {"arch": "unet", "channels": 8, "channel_mult": [1, 2], "num_res_blocks": 1,
+                     "attention_resolutions": [8, 4], "num_heads": 2}}
+
+
+@pytest.mark.parametrize("arch", NETWORKS)
+def test_a_dropped_caption_is_the_learned_null_and_padding_is_never_read(arch):
+    cfg = validate({"run_dir": ".", "model": {**NETWORKS[arch], "condition": "text", "text_width": 12,
+                                              "text_pooled_width": 12, "text_tokens": 6}})
+    net = randomised(build_network(cfg.model, (3, 8, 8), 0))
+    x, t = torch.randn(2, 3, 8, 8), torch.rand(2)
+    c = torch.cat([caption(6, 3, seed=1), caption(6, 6, seed=2)])
+    # dropping a caption gives the network's own "none", whatever the caption was
+    dropped = net.condition.drop(c, torch.tensor([True, False]))
+    none = net(x, t, None)
+    out = net(x, t, dropped)
+    torch.testing.assert_close(out[0], none[0], rtol=1e-5, atol=1e-5)  # its masked pads aside, the same context
+    assert not torch.allclose(out[1], none[1])
+    # the first caption's three real tokens, padded to 6 or to 4 (other pad states): the same output
+    short = caption(6, 3, seed=1)
+    repadded = pack_text(torch.cat([short[:, 1:4, :12], torch.randn(1, 1, 12)], 1),
+                         torch.tensor([[True, True, True, False]]), short[:, 0, :12])
+    torch.testing.assert_close(net(x[:1], t[:1], short), net(x[:1], t[:1], repadded), rtol=1e-5, atol=1e-6)
+    # and the tokens are read: another caption with the same pooled vector changes the output
+    other = short.clone()
+    other[:, 1:4, :12] += 1.0
+    assert not torch.allclose(net(x[:1], t[:1], short), net(x[:1], t[:1], other))
+
+
+def test_pack_text_keeps_each_part_where_the_condition_module_reads_it():
+    widths = TextWidths(width=4, pooled_width=6, tokens=3)
+    module = TextCondition(widths, hidden_size=8)
+    states, pooled = torch.randn(2, 3, 4), torch.randn(2, 6)
+    mask = torch.tensor([[True, False, False], [True, True, True]])
+    packed = pack_text(states, mask, pooled)
+    assert packed.shape == (2, 4, 7) and torch.equal(packed[:, 0, 6], torch.ones(2))
+    torch.testing.assert_close(module.embed(packed, 2, "cpu"), module.pooled(pooled))
+    tokens, read = module.context(packed, 2, "cpu")
+    assert torch.equal(read, mask)
+    torch.testing.assert_close(tokens, module.tokens(states))
+    assert module.placeholder(5, "cpu").shape == (5, 4, 7)
+
+
+def emoji_run(run_dir, **train_keys) -> dict:
+    return {"run_dir": str(run_dir), "seed": 1,
+            "data": {"source": "emoji", "limit": 32, "resolution": 8},
+            "model": {"arch": "dit", "hidden_size": 32, "depth": 2, "num_heads": 2, "patch_size": 2,
+                      "text_tokens": 16},
+            "train": {"images": 96, "batch_size": 16, "lr": 1e-3, "checkpoint_every": 48, "sample_every": 96,
+                      "log_every": 16, "label_dropout": 0.2, "ema_halflife_images": 32, **train_keys},
+            "sample": {"num": 4, "steps": 2, "solver": "euler", "guidance": 2.0},
+            "eval": {"every": 0}}
+
+
+def test_a_run_on_captions_is_text_conditioned_resumes_bit_identically_and_samples_prompts(tmp_path, capsys):
+    emoji_or_skip()
+    straight = train(validate(emoji_run(tmp_path / "straight")), progress=False)
+    cfg = validate(emoji_run(tmp_path / "resumed", images=48))
+    assert (cfg.model.condition, cfg.model.text_width) == ("text", 384)  # the emoji have captions: no other key
+    train(cfg, progress=False)
+    resumed = train(validate(emoji_run(tmp_path / "resumed")), progress=False)
+    for name in ("model.safetensors", "ema.safetensors"):  # caption dropout, too, drawn from each example's stream
+        a, b = (load_weights(latest_checkpoint(run) / name) for run in (straight, resumed))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+    # islands sample --prompt: sample i for prompt i mod 2, from noise i; the condition reaches the network
+    apple, face = "red apple, food and drink, food fruit", "grinning face, smileys and emotion, face smiling"
+    for out, second in (("aa", apple), ("af", face)):
+        args = ["sample", str(straight), "--num", "2", "--out", str(tmp_path / out), "--quiet"]
+        assert main([*args, "--prompt", apple, "--prompt", second]) == 0
+    same, other = (np.load(tmp_path / out / "samples.npz")["x"] for out in ("aa", "af"))
+    assert np.array_equal(same[0], other[0]) and not np.allclose(same[1], other[1])
+    assert (tmp_path / "af" / "prompts.txt").read_text() == f"{apple}\n{face}\n"
+    capsys.readouterr()
+    assert main(["sample", str(straight), "--num", "2", "--out", str(tmp_path / "c"), "--class", "1",
+                 "--prompt", apple, "--quiet"]) == 2
+    assert capsys.readouterr().err.strip() == "islands: config error: --class: a sample is conditioned on a class " \
+                                              "or on a prompt, not both"
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model": {"arch": "mlp", "condition": "text"}}, "model.condition: text is read by dit, unet networks, not "
+                                                      "'mlp'"),
+    ({"model": {"condition": "text", "num_classes": 4}}, "model.condition: 'text' with model.num_classes=4"),
+])
+def test_a_text_condition_a_network_cannot_take_is_refused_by_key(tmp_path, capsys, change, message):
+    raw = {"run_dir": str(tmp_path / "r"), "data": {"source": "emoji", "limit": 8, "resolution": 8},
+           "model": {"arch": "dit", "hidden_size": 16, "depth": 1, "num_heads": 2}}
+    for section, values in change.items():
+        raw[section] = values if values.get("arch") == "mlp" else {**raw[section], **values}
+    assert main(["train", write_config(tmp_path / "c.yaml", raw), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_text_on_data_without_captions_and_a_prompt_to_a_class_run_are_refused(tmp_path, image_npz, capsys):
+    from conftest import tiny_unet_config
+
+    raw = tiny_unet_config(tmp_path / "r", image_npz, model={"arch": "dit", "hidden_size": 16, "depth": 1,
+                                                             "num_heads": 2, "num_classes": 0, "condition": "text"})
+    raw["model"] = {k: v for k, v in raw["model"].items() if k in ("arch", "hidden_size", "depth", "num_heads",
+                                                                   "num_classes", "condition")}
+    assert main(["train", write_config(tmp_path / "c.yaml", raw), "--quiet"]) == 2
+    assert capsys.readouterr().err.strip() == "islands: model.condition: text, but the data (npz) has no captions"
+    run = tiny_unet_config(tmp_path / "class", image_npz, train={"images": 16})
+    assert main(["train", write_config(tmp_path / "k.yaml", run), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["sample", str(tmp_path / "class"), "--num", "2", "--out", str(tmp_path / "o"), "--prompt", "a",
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("islands: config error: --prompt:") and "is not conditioned on text" in err
