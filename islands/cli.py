@@ -151,16 +151,21 @@ def _shard(args) -> int:
 
 
 def _encode(args) -> int:
-    manifest = _write_shards(args, autoencoder=args.autoencoder)
+    if args.autoencoder is None and args.text_encoder is None:
+        raise ConfigError("islands encode: give --autoencoder (latents), --text-encoder (caption embeddings) or both")
+    manifest = _write_shards(args, autoencoder=args.autoencoder, text_encoder=args.text_encoder)
     if manifest is not None:
-        print(f"wrote {args.out}: the latents of {manifest['examples']} examples in {len(manifest['shards'])} shards "
+        what = " and ".join(w for w, given in (("the latents", args.autoencoder), ("the caption embeddings",
+                                                                                  args.text_encoder)) if given)
+        print(f"wrote {args.out}: {what} of {manifest['examples']} examples in {len(manifest['shards'])} shards "
               "(manifest.json)")
     return 0
 
 
-def _write_shards(args, autoencoder: str | None = None) -> dict | None:
-    """Shards of the config's data (its examples, or with `autoencoder` their latents' posteriors), each rank writing
-    its own; the manifest on rank 0, None on the others."""
+def _write_shards(args, autoencoder: str | None = None, text_encoder: str | None = None) -> dict | None:
+    """Shards of the config's data (its examples, or with `autoencoder` their latents' posteriors; with
+    `text_encoder` each caption's embedding beside them), each rank writing its own; the manifest on rank 0, None on
+    the others."""
     from islands.data import build_data
     from islands.data.shards import refuse_written_over, write_shards
     from islands.parallel.launch import close_world, init_world
@@ -178,6 +183,15 @@ def _write_shards(args, autoencoder: str | None = None) -> dict | None:
             loaded = load_autoencoder(autoencoder, device=world.device)
             with config_errors("data"):  # images the autoencoder cannot encode
                 writer = LatentWriter(source, loaded, args.batch_size, world.device, cfg.data.flip)
+        if text_encoder is not None:
+            from islands.data.shards import ExampleWriter
+            from islands.nets.text_folder import open_text_encoder
+            from islands.train.captions import CaptionWriter
+
+            if not source.captioned:
+                raise ConfigError(f"--text-encoder: the data ({cfg.data.source}) has no captions")
+            encoder = open_text_encoder(text_encoder, device=world.device)
+            writer = CaptionWriter(writer or ExampleWriter(source), encoder, text_encoder, args.text_tokens)
         return write_shards(source, Path(args.out), args.shard_size, cfg.data.model_dump(), world.rank, world.size,
                             world.barrier, progress=not args.quiet, writer=writer)
     finally:
@@ -385,14 +399,20 @@ def build_parser() -> argparse.ArgumentParser:
     _shard_arguments(p, "examples")
     p.set_defaults(func=_shard)
 
-    p = sub.add_parser("encode", help="precompute the latents of the config's data into shards, for a latent run",
+    p = sub.add_parser("encode", help="precompute the latents (and caption embeddings) of the config's data into "
+                       "shards",
                        description="Encode every example of the config's data section (and its horizontal flip where "
                                    "the data flips) with an AutoencoderKL folder, and write each posterior's mean and "
                                    "log-variance (float32) into shards as 'islands shard' does; a run trains on them "
-                                   "with data.source=shards data.path=OUT data.autoencoder=FOLDER. Under torchrun each "
-                                   "rank encodes and writes every W-th shard.")
+                                   "with data.source=shards data.path=OUT data.autoencoder=FOLDER. With "
+                                   "--text-encoder, each caption's embedding is stored beside its example, so that a "
+                                   "text-conditioned run never runs the encoder. Under torchrun each rank encodes and "
+                                   "writes every W-th shard.")
     _shard_arguments(p, "images")
-    p.add_argument("--autoencoder", required=True, help="the AutoencoderKL folder (config.json + safetensors)")
+    p.add_argument("--autoencoder", help="the AutoencoderKL folder (config.json + safetensors): store latents")
+    p.add_argument("--text-encoder", help="minilm or a transformers folder: store each caption's embedding beside "
+                   "its example, for a text-conditioned run (data.text_encoder the same)")
+    p.add_argument("--text-tokens", type=int, default=32, help="tokens a caption keeps (model.text_tokens; 32)")
     p.add_argument("--batch-size", type=int, default=64, help="images encoded at a time (default 64)")
     p.set_defaults(func=_encode)
 

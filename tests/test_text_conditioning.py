@@ -143,3 +143,32 @@ def test_text_on_data_without_captions_and_a_prompt_to_a_class_run_are_refused(t
                  "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("islands: config error: --prompt:") and "is not conditioned on text" in err
+
+
+def test_caption_embeddings_stored_by_islands_encode_train_without_the_text_encoder(tmp_path, capsys, monkeypatch):
+    emoji_or_skip()
+    config = write_config(tmp_path / "c.yaml", emoji_run(tmp_path / "run"))
+    assert main(["encode", config, str(tmp_path / "sh"), "--text-encoder", "minilm", "--text-tokens", "16",
+                 "--shard-size", "10", "--quiet"]) == 0
+    # what islands encode stored is what a run on the emoji encodes when it starts, caption by caption
+    from islands.data import build_data
+    from islands.nets.text_folder import bundled_text_encoder
+    from islands.train.captions import encode_captions
+
+    stored = build_data(validate(emoji_run(tmp_path / "r")).data, 1)
+    shards = build_data(validate({**emoji_run(tmp_path / "r"), "data": {"source": "shards",
+                                                                         "path": str(tmp_path / "sh")}}).data, 1)
+    fresh = encode_captions(bundled_text_encoder(), stored.captions(range(32)), 16)
+    torch.testing.assert_close(shards.caption_embeddings(range(32)), fresh, rtol=1e-5, atol=1e-5)
+    # a run on the shards is text-conditioned by them and never opens the text encoder
+    monkeypatch.setattr("islands.train.captions.open_text_encoder", lambda *a, **k: pytest.fail("encoder opened"))
+    run = {**emoji_run(tmp_path / "on-shards", images=16), "data": {"source": "shards", "path": str(tmp_path / "sh")}}
+    assert main(["train", write_config(tmp_path / "s.yaml", run), "--quiet"]) == 0
+    assert (tmp_path / "on-shards" / "text_encoder.json").exists()
+    # embeddings of another token count than the network reads: refused in one line
+    run["model"] = {**run["model"], "text_tokens": 8}
+    run["run_dir"] = str(tmp_path / "other")
+    capsys.readouterr()
+    assert main(["train", write_config(tmp_path / "o.yaml", run), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds caption embeddings of 16 tokens" in err[0]

@@ -71,6 +71,7 @@ class ClusterSubset(Source):
             raise DataError(f"data.cluster: cluster {k} of the partition is empty")
         self.shape, self.num_classes, self.flip = source.shape, source.num_classes, source.flip
         self.quantised, self.captioned = source.quantised, source.captioned
+        self.stored_captions = source.stored_captions
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -80,6 +81,9 @@ class ClusterSubset(Source):
 
     def captions(self, indices):
         return self.source.captions(self.indices[np.asarray(indices, dtype=np.int64)].tolist())
+
+    def caption_embeddings(self, indices):
+        return self.source.caption_embeddings(self.indices[np.asarray(indices, dtype=np.int64)].tolist())
 
 
 class ClusterLabelled(Source):
@@ -91,6 +95,7 @@ class ClusterLabelled(Source):
         self.num_clusters = int(cluster.max()) + 1
         self.shape, self.num_classes, self.flip = source.shape, source.num_classes, source.flip
         self.quantised, self.captioned = source.quantised, source.captioned
+        self.stored_captions = source.stored_captions
 
     def __len__(self) -> int:
         return len(self.source)
@@ -100,6 +105,9 @@ class ClusterLabelled(Source):
 
     def captions(self, indices):
         return self.source.captions(indices)
+
+    def caption_embeddings(self, indices):
+        return self.source.caption_embeddings(indices)
 
     def clusters_of(self, indices):
         return self.cluster[torch.as_tensor(np.asarray(indices, dtype=np.int64))]

@@ -29,3 +29,14 @@ class WithConditions(Source):
 
     def check(self):
         self.source.check()
+
+
+class WithStoredConditions(WithConditions):
+    """`source`'s examples, each with its caption's embedding as the shards store it beside the example."""
+
+    def __init__(self, source: Source):
+        super().__init__(source, None)
+
+    def get(self, indices):
+        x, _ = self.source.get(indices)
+        return x, self.source.caption_embeddings(indices)

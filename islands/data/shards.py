@@ -43,6 +43,9 @@ READ_CHUNK = 1024  # examples taken from the source at a time while writing
 HASH_BLOCK = 1 << 20
 
 
+CAPTION = "caption.npy"  # a caption's packed embedding (islands encode --text-encoder)
+
+
 def shard_name(i: int) -> str:
     return f"shard-{i:06d}.tar"
 
@@ -99,7 +102,7 @@ class ExampleWriter:
         self.members = [self.member]
         self.manifest = {"shape": list(source.shape), "flip": source.flip, "x": self.member}
 
-    def __call__(self, x: torch.Tensor) -> list[dict[str, bytes]]:
+    def __call__(self, x: torch.Tensor, captions: list[str] | None = None) -> list[dict[str, bytes]]:
         return [{self.member: _encode(example, self.member)} for example in x]
 
 
@@ -130,7 +133,7 @@ def write_part(source: Source, folder: Path, shard_size: int, rank: int = 0, ran
                 chunk = list(range(start, min(hi, start + READ_CHUNK)))
                 x, y = source.get(chunk)
                 captions = source.captions(chunk) if source.captioned else None
-                for j, example in enumerate(members(x)):
+                for j, example in enumerate(members(x, captions)):
                     example = {"__key__": f"{start + j:09d}", **example}
                     if captions is not None:
                         example["txt"] = captions[j].encode()
@@ -217,8 +220,10 @@ class ShardSource(Source):
         self.member, self.quantised = m["x"], m["x"] == "png"
         # the columns of the index read: the example's arrays (one, or a latent's mean and log-variance, of the image
         # and of its flip: stacked along the channels, as `islands encode` wrote them), then its class's
-        self.arrays = [i for i, member in enumerate(m["members"]) if member not in ("txt", "cls")]
+        self.arrays = [i for i, member in enumerate(m["members"]) if member not in ("txt", "cls", CAPTION)]
         self.captioned = "txt" in m["members"]
+        # `islands encode --text-encoder`: each caption's packed embedding, a condition read apart from the example
+        self.stored_captions = m.get("caption_embeddings")
         self.columns = [*self.arrays, *([m["members"].index("cls")] if self.num_classes else [])]
         self.member_shape = (self.shape[0] // len(self.arrays), *self.shape[1:])
         self.tars = [self.root / s["tar"] for s in m["shards"]]
@@ -259,6 +264,28 @@ class ShardSource(Source):
                             f"{', '.join(self.manifest['members'])}); shard a captioned source (data.source emoji)")
         column = self.manifest["members"].index("txt")
         return [self._caption(int(s), int(r), column) for s, r in zip(*self._locate(indices), strict=True)]
+
+    def caption_embeddings(self, indices) -> torch.Tensor:
+        """The examples' caption embeddings as `islands encode --text-encoder` stored them (packed, float32)."""
+        if self.stored_captions is None:
+            raise DataError(f"shard folder {self.root} holds no caption embeddings (no '{CAPTION}' member); encode "
+                            "them with islands encode --text-encoder")
+        column = self.manifest["members"].index(CAPTION)
+        shape = tuple(self.stored_captions["shape"])
+        arrays = []
+        for s, r in zip(*self._locate(indices), strict=True):
+            at, size = (int(v) for v in self._index(int(s))[int(r), column])
+            blob = os.pread(self._file(int(s)), size, at)
+            try:
+                a = np.load(io.BytesIO(blob), allow_pickle=False)
+            except Exception as e:  # damaged bytes
+                raise DataError(f"shard {self.tars[int(s)]}: the caption embedding of example {int(r)} cannot be "
+                                f"decoded: {e}") from None
+            if a.shape != shape or a.dtype != np.float32:
+                raise DataError(f"shard {self.tars[int(s)]}: the caption embedding of example {int(r)} is {a.dtype} "
+                                f"{a.shape}, the manifest says {shape}")
+            arrays.append(a)
+        return torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros((0, *shape))
 
     def _caption(self, shard: int, row: int, column: int) -> str:
         at, size = (int(v) for v in self._index(shard)[row, column])

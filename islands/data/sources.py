@@ -45,6 +45,7 @@ class Source(ABC):
     quantised: bool = False  # every example is an 8-bit image (k / 127.5 - 1): `islands shard` stores it as a PNG
     options: tuple | None = None  # everything it was built with, set by build_source (None: not known)
     captioned: bool = False  # every example has a caption: captions(indices)
+    stored_captions: dict | None = None  # shards that hold each caption's embedding: caption_embeddings(indices)
 
     @abstractmethod
     def __len__(self): ...
@@ -61,6 +62,11 @@ class Source(ABC):
         """The captions of the examples, one string each, for a `captioned` source; any other refuses by name."""
         name = self.options[0] if self.options else type(self).__name__
         raise DataError(f"the {name} data has no captions (a captioned source: data.source emoji)")
+
+    def caption_embeddings(self, indices):
+        """The examples' caption embeddings as stored beside them (`stored_captions` says by what); only shards that
+        `islands encode --text-encoder` wrote hold them."""
+        raise DataError(f"the {type(self).__name__} data holds no caption embeddings")
 
     def check(self):  # noqa: B027 -- a hook that only file-backed sources fill in
         """Fail now, naming the file, on an input that would stop a run when a batch

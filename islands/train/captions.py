@@ -16,14 +16,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from islands.data.conditions import WithConditions
+from islands.data.conditions import WithConditions, WithStoredConditions
 from islands.data.fingerprint import cache_dir
+from islands.data.shards import CAPTION, ExampleWriter
 from islands.data.sources import Source
 from islands.errors import DataError
 from islands.nets.condition import pack_text
 from islands.nets.text_encoder import TextEncoder
-from islands.nets.text_folder import open_text_encoder
+from islands.nets.text_folder import MINILM_SHA256, open_text_encoder
 from islands.rundir import atomic_write_text, latest_checkpoint
+from islands.train.encode import npy_bytes
 
 RECORD = "text_encoder.json"
 BATCH = 256  # captions encoded at once
@@ -74,16 +76,38 @@ def open_run_text_encoder(cfg, run_dir: Path, device="cpu", starting: bool = Fal
 
 
 def condition_on_captions(cfg, run_dir: Path, source: Source, device="cpu", progress: bool = False) -> Source:
-    """`source` as a text-conditioned run reads it (each example with its caption's embedding), or as it is for any
-    other condition."""
+    """`source` as a text-conditioned run reads it (each example with its caption's embedding: stored beside it in
+    shards, or encoded now), or as it is for any other condition."""
     if cfg.model.condition != "text":
         return source
-    if not source.captioned:
+    if source.stored_captions is not None:
+        conditioned, sha256 = WithStoredConditions(source), _check_stored(cfg, run_dir, source.stored_captions)
+    elif not source.captioned:
         raise DataError(f"model.condition: text, but the data ({cfg.data.source}) has no captions")
-    encoder = open_run_text_encoder(cfg, run_dir, device, starting=True)
-    conditioned = WithConditions(source, caption_table(source, encoder, cfg.model.text_tokens, progress))
-    conditioned.encoder_sha256 = encoder.sha256
+    else:
+        encoder = open_run_text_encoder(cfg, run_dir, device, starting=True)
+        conditioned = WithConditions(source, caption_table(source, encoder, cfg.model.text_tokens, progress))
+        sha256 = encoder.sha256
+    conditioned.encoder_sha256 = sha256
     return conditioned
+
+
+def _check_stored(cfg, run_dir: Path, stored: dict) -> str:
+    """The sha256 of the encoder that made stored caption embeddings, refused unless they are what this run's
+    network reads: its encoder (the bundled one's pinned weights, the run's record), its token count and widths."""
+    model, name = cfg.model, cfg.data.text_encoder
+    expected = MINILM_SHA256 if name == "minilm" else recorded_text_encoder(run_dir)
+    if latest_checkpoint(run_dir) is None and name != "minilm":
+        expected = None  # a folder's weights are bound once the run has trained on them
+    found = (stored["tokens"], stored["width"], stored["pooled_width"])
+    if found != (model.text_tokens, model.text_width, model.text_pooled_width):
+        raise DataError(f"data.path: {cfg.data.path} holds caption embeddings of {found[0]} tokens, {found[1]} and "
+                        f"{found[2]} wide; model.text_tokens is {model.text_tokens}, the encoder's widths "
+                        f"{model.text_width} and {model.text_pooled_width}")
+    if expected is not None and stored["sha256"] != expected:
+        raise DataError(f"data.text_encoder: the caption embeddings in {cfg.data.path} were encoded by other weights "
+                        f"(sha256 {stored['sha256'][:12]}..., expected {expected[:12]}...)")
+    return stored["sha256"]
 
 
 def record_text_encoder(cfg, run_dir: Path, source: Source) -> None:
@@ -91,3 +115,21 @@ def record_text_encoder(cfg, run_dir: Path, source: Source) -> None:
     if isinstance(source, WithConditions):
         record = {"text_encoder": cfg.data.text_encoder, "sha256": source.encoder_sha256}
         atomic_write_text(Path(run_dir) / RECORD, json.dumps(record, indent=1))
+
+
+class CaptionWriter(ExampleWriter):
+    """`islands encode --text-encoder`: the members another writer makes of each example, and its caption's packed
+    embedding (`caption.npy`, float32, the run's `model.text_tokens` tokens), so that a run on the shards never runs
+    the text encoder; the manifest says which encoder made them."""
+
+    def __init__(self, inner: ExampleWriter, encoder: TextEncoder, name: str, tokens: int):
+        self.inner, self.encoder, self.tokens = inner, encoder, tokens
+        self.members = [*inner.members, CAPTION]
+        depth = max(encoder.width, encoder.pooled_width) + 1
+        self.manifest = {**inner.manifest, "caption_embeddings": {
+            "text_encoder": name, "sha256": encoder.sha256, "tokens": tokens, "width": encoder.width,
+            "pooled_width": encoder.pooled_width, "shape": [1 + tokens, depth], "dtype": "float32"}}
+
+    def __call__(self, x: torch.Tensor, captions: list[str] | None = None) -> list[dict[str, bytes]]:
+        packed = encode_captions(self.encoder, captions, self.tokens)
+        return [{**example, CAPTION: npy_bytes(packed[j])} for j, example in enumerate(self.inner(x, captions))]

@@ -20,7 +20,7 @@ from islands.data.sources import Source
 from islands.nets.autoencoder import Autoencoder
 
 
-def _npy(a: torch.Tensor) -> bytes:
+def npy_bytes(a: torch.Tensor) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, a.float().cpu().numpy(), allow_pickle=False)
     return buffer.getvalue()
@@ -45,7 +45,7 @@ class LatentWriter(ExampleWriter):
                                      "image_shape": list(source.shape), "flipped": self.flipped, "dtype": "float32"}}
 
     @torch.no_grad()
-    def __call__(self, x: torch.Tensor) -> list[dict[str, bytes]]:
+    def __call__(self, x: torch.Tensor, captions: list[str] | None = None) -> list[dict[str, bytes]]:
         examples = []
         for part in x.split(self.batch_size):
             images = part.to(self.device)
@@ -53,6 +53,6 @@ class LatentWriter(ExampleWriter):
             if self.flipped:
                 posteriors.append(self.autoencoder.encode(images.flip(-1)))
             arrays = [a for q in posteriors for a in (q.mean, q.logvar)]
-            examples += [{member: _npy(a[j]) for member, a in zip(self.members, arrays, strict=True)}
+            examples += [{member: npy_bytes(a[j]) for member, a in zip(self.members, arrays, strict=True)}
                          for j in range(len(part))]
         return examples
