@@ -79,11 +79,12 @@ def _sample(args) -> int:
     if args.distributed:  # under torchrun: each rank holds some of the experts, or one range expert
         return _sample_distributed(args, sampler, seed, labels)
     x = sampler.generate(args.num, labels, seed, progress=not args.quiet)
-    for path in write_samples(x, None if prompts else labels, Path(args.out)):
+    drawn_for = [prompts[i % len(prompts)] for i in range(args.num)] if prompts else None  # sample i: prompt i mod P
+    for path in write_samples(x, None if prompts else labels, Path(args.out), drawn_for):
         print(f"wrote {path}")
-    if prompts:  # sample i was drawn for prompt i mod len(prompts)
+    if prompts:
         written = Path(args.out) / "prompts.txt"
-        written.write_text("".join(f"{prompts[i % len(prompts)]}\n" for i in range(args.num)))
+        written.write_text("".join(f"{prompt}\n" for prompt in drawn_for))
         print(f"wrote {written}")
     if sampler.manifest is not None:
         opts = sampler.opts

@@ -190,7 +190,8 @@ def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleC
     return torch.cat(out)
 
 
-def write_samples(x: torch.Tensor, labels: torch.Tensor | None, out_dir: Path) -> list[Path]:
+def write_samples(x: torch.Tensor, labels: torch.Tensor | None, out_dir: Path,
+                  captions: list[str] | None = None) -> list[Path]:
     """out_dir/samples.npz (array x, float32, data space; y when conditional) and a picture. Samples that are not
     finite are written too (they are what the model made), and counted in a warning."""
     out_dir = Path(out_dir)
@@ -205,5 +206,6 @@ def write_samples(x: torch.Tensor, labels: torch.Tensor | None, out_dir: Path) -
     if labels is not None:
         arrays["y"] = labels.numpy()
     atomic_write(out_dir / "samples.npz", lambda f: np.savez(f, **arrays))
-    picture = save_samples_picture(x[:256], out_dir / ("grid.png" if x.dim() == 4 else "scatter.png"))
+    name = "grid.png" if x.dim() == 4 else "scatter.png"
+    picture = save_samples_picture(x[:256], out_dir / name, captions=captions and captions[:64])
     return [out_dir / "samples.npz", picture]

@@ -1,6 +1,7 @@
 """Pictures a person would rather see than read: sample grids and scatter plots."""
 
 import math
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -113,8 +114,28 @@ def save_scatter(x: torch.Tensor, path: Path, reference: torch.Tensor | None = N
     return _save_figure(fig, path)
 
 
-def save_samples_picture(x: torch.Tensor, path: Path, reference: torch.Tensor | None = None, title: str = "") -> Path:
-    """A grid for images, a scatter plot for vectors."""
+def save_samples_picture(x: torch.Tensor, path: Path, reference: torch.Tensor | None = None, title: str = "",
+                         captions: list[str] | None = None) -> Path:
+    """A grid for images (each under its caption, where given: a prompt), a scatter plot for vectors."""
     if x.dim() == 4:
-        return save_grid(x, path)
+        return save_captioned_grid(x, captions, path) if captions else save_grid(x, path)
     return save_scatter(x, path, reference, title)
+
+
+def save_captioned_grid(x: torch.Tensor, captions: list[str], path: Path, width: int = 22) -> Path:
+    """Images (N, C, H, W) in [-1, 1], each under its caption (wrapped at `width` characters, three lines at most)."""
+    plt = _pyplot()
+    imgs = to_uint8(x)
+    n = len(imgs)
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols, 1.9 * rows), dpi=100, squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        ax.axis("off")
+        if i < n:
+            img = imgs[i]
+            ax.imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray" if img.shape[-1] == 1 else None,
+                      vmin=0, vmax=255, interpolation="nearest")
+            lines = textwrap.wrap(captions[i], width)
+            ax.set_title("\n".join(lines[:3]) + ("..." if len(lines) > 3 else ""), fontsize=6)
+    return _save_figure(fig, path)

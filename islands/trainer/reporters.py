@@ -152,12 +152,14 @@ class SampleGrid(Reporter):
         num = min(p.cfg.sample.num, 64 if len(p.shape) == 3 else 2000)  # a legible grid, or a dense scatter
         sampler = sampler_of(p, plain)
         # a text-conditioned run draws for the captions of its first examples (a class run: every class in turn)
-        captioned = p.cfg.model.condition == "text"
-        labels = p.source.get([i % len(p.source) for i in range(num)])[1] if captioned else sampler.labels(num)
+        first = [i % len(p.source) for i in range(num)]
+        captions = p.source.captions(first) if p.cfg.model.condition == "text" else None
+        labels = p.source.get(first)[1] if captions else sampler.labels(num)
         x = sampler.generate(num, labels, device=p.world.device)
         reference = p.source.get(list(range(min(len(p.source), 2000))))[0] if len(p.shape) == 1 else None
         images = step.progress.images
-        save_samples_picture(x, p.run_dir / "samples" / f"{images:012d}.png", reference, f"{images} images")
+        save_samples_picture(x, p.run_dir / "samples" / f"{images:012d}.png", reference, f"{images} images",
+                             captions)
 
 
 class Evaluation(Reporter):
