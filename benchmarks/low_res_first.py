@@ -28,7 +28,7 @@ from islands.config import validate
 from islands.data import build_data
 from islands.ddm.pipeline import training_flops
 from islands.eval.evaluate import Evaluator, generated
-from islands.generate import load_denoiser
+from islands.generate import open_run
 from islands.parallel.launch import bf16_is_native
 from islands.train.flops import flops_per_image
 from islands.train.objectives import build_objective
@@ -101,12 +101,13 @@ def compare(images: int, evaluator: Evaluator | None) -> tuple[dict, Evaluator]:
         flops[label] += training_flops(first)
     found = {}
     for label, run_dir in runs.items():
-        denoiser, cfg, info = load_denoiser(run_dir)
+        sampler = open_run(run_dir)
+        cfg = sampler.cfg
         evaluator = evaluator or Evaluator(build_data(cfg.data, cfg.seed), cfg.eval, cfg.seed)
         since, start = cpu_seconds(), time.perf_counter()
-        batches = generated(denoiser, tuple(info["shape"]), NUM, cfg.sample, cfg.seed, info["num_classes"])
-        found[label] = {**evaluator(batches, denoiser), "sampling_seconds": time.perf_counter() - start,
-                        "sampling_others_cpu_share": others_share(since), "time_shift": cfg.sample.time_shift}
+        found[label] = {**evaluator(generated(sampler, NUM), sampler.denoiser),
+                        "sampling_seconds": time.perf_counter() - start,
+                        "sampling_others_cpu_share": others_share(since), "time_shift": sampler.opts.time_shift}
         print(f"  {label}: FD {found[label]['fd']:.3f}", flush=True)
     print(table(["run", "training TFLOP", "training s", "others' CPU share", "FD", "KID x1e3", "KID s.e. x1e3",
                  "precision", "recall"],
