@@ -31,7 +31,7 @@ from islands.images import save_samples_picture
 from islands.nets import build_network
 from islands.parallel import launch
 from islands.rundir import atomic_write, describe_run, latest_checkpoint, load_weights, weights_file
-from islands.train.captions import encode_captions, open_run_text_encoder
+from islands.train.captions import encode_captions, open_run_text_encoder, recorded_text_encoder
 from islands.train.latents import open_data_space
 
 
@@ -116,7 +116,7 @@ class Sampler:
     assignment: Callable[[int], Callable] | None = None  # seed -> `generate`'s for_batch (ancestral routing)
     manifest: dict | None = None  # an ensemble's
     space: DataSpace = PIXELS  # where the samples go back to the data's own space
-    run_dir: Path | None = None  # a run's, whose records (its text encoder's) sampling checks
+    text_encoder_sha256: str | None = None  # of the weights that encoded the captions it learnt (prompts are checked)
 
     def labels(self, num: int, class_label: int | None = None) -> torch.Tensor | None:
         """The conditions of `num` samples: every class in turn, or `class_label` alone; None if unconditional."""
@@ -127,10 +127,10 @@ class Sampler:
     def prompted(self, prompts: list[str], num: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The conditions of `num` samples of a text-conditioned run, `prompts` in turn, encoded by the run's text
         encoder (its weights checked against the run's record) as its captions were."""
-        if self.cfg.model.condition != "text" or self.run_dir is None:
-            raise ConfigError(f"--prompt: {self.run_dir or 'this model'} is not conditioned on text "
+        if self.cfg.model.condition != "text":
+            raise ConfigError(f"--prompt: {self.cfg.run_dir} is not conditioned on text "
                               f"(model.condition: {self.cfg.model.condition})")
-        encoder = open_run_text_encoder(self.cfg, self.run_dir, device)
+        encoder = open_run_text_encoder(self.cfg, self.text_encoder_sha256, device)
         return encode_captions(encoder, list(prompts), self.cfg.model.text_tokens)[torch.arange(num) % len(prompts)]
 
     def for_batch(self, seed: int):
@@ -155,7 +155,8 @@ def open_run(run_dir: Path, options: dict | None = None, use_ema: bool = True,
     record."""
     denoiser, cfg, info = load_denoiser(Path(run_dir), use_ema)
     return Sampler(denoiser, cfg, tuple(info["shape"]), info["num_classes"], sample_options(cfg, options, device),
-                   space=open_data_space(cfg, Path(run_dir), device), run_dir=Path(run_dir))
+                   space=open_data_space(cfg, Path(run_dir), device),
+                   text_encoder_sha256=recorded_text_encoder(Path(run_dir)))
 
 
 def sampling_precision(precision: str, device: torch.device):

@@ -2,6 +2,8 @@
 cross-attention that reads real tokens only, training on the emoji's captions that resumes bit-identically, and
 `islands sample --prompt`."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -172,3 +174,32 @@ def test_caption_embeddings_stored_by_islands_encode_train_without_the_text_enco
     assert main(["train", write_config(tmp_path / "o.yaml", run), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds caption embeddings of 16 tokens" in err[0]
+
+
+@pytest.mark.parametrize("routing", ["ancestral", "full", "topk:1"])
+def test_an_ensemble_of_text_conditioned_experts_samples_prompts_under_every_policy(text_ensemble, tmp_path, routing):
+    root, manifest = text_ensemble
+    assert manifest["text_encoder_sha256"] == json.loads((root / "experts" / "0" / "text_encoder.json").read_text())[
+        "sha256"]
+    apple, face = "red apple, food and drink, food fruit", "grinning face, smileys and emotion, face smiling"
+    for out, second in (("aa", apple), ("af", face)):
+        assert main(["sample", str(root), "--num", "2", "--out", str(tmp_path / out), "--routing", routing,
+                     "--prompt", apple, "--prompt", second, "--quiet"]) == 0
+    same, other = (np.load(tmp_path / out / "samples.npz")["x"] for out in ("aa", "af"))
+    assert np.array_equal(same[0], other[0]) and not np.allclose(same[1], other[1])
+
+
+@pytest.fixture(scope="module")
+def text_ensemble(tmp_path_factory):
+    """K = 2 text-conditioned DiT experts on the first 64 emoji, a router, through `islands ddm`."""
+    emoji_or_skip()
+    where = tmp_path_factory.mktemp("text-ddm")
+    raw = emoji_run(where / "ens")
+    raw["data"]["limit"] = 64
+    raw["train"] = {**raw["train"], "images": 64, "checkpoint_every": 32, "sample_every": 0}
+    raw["eval"] = {"num": 16, "metrics": ["fd"], "features": "pixels"}
+    raw["ddm"] = {"k": 2, "partition": {"method": "kmeans", "pca_dim": 8, "fine": 8},
+                  "router": {"hidden_size": 16, "depth": 1, "num_heads": 2, "patch_size": 2, "batch_size": 8,
+                             "images": 16}}
+    assert main(["ddm", write_config(where / "ddm.yaml", raw), "--quiet"]) == 0
+    return where / "ens", json.loads((where / "ens" / "ensemble.json").read_text())

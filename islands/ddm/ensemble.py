@@ -27,6 +27,7 @@ from islands.flow.paths import PATH_OPTIONS, build_path
 from islands.generate import network_with_weights
 from islands.nets.router import route
 from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, weights_file
+from islands.train.captions import recorded_text_encoder
 from islands.train.latents import recorded_sha256
 
 MANIFEST = "ensemble.json"
@@ -53,17 +54,18 @@ def _entry(root: Path, run: Path, name: str) -> dict:
                  model=to_dict(cfg)["model"], **info)
     if (autoencoder := recorded_sha256(run)) is not None:  # it learnt the latents of these weights
         entry["autoencoder_sha256"] = autoencoder
+    if (text_encoder := recorded_text_encoder(run)) is not None:  # it read captions these weights encoded
+        entry["text_encoder_sha256"] = text_encoder
     return entry
 
 
-def _one_autoencoder(entries: list[dict]) -> str | None:
-    """The sha256 of the autoencoder weights every member trained on (None: pixels); members that learnt the
-    latents of different weights cannot be mixed."""
-    found = {e.get("autoencoder_sha256") for e in entries if "weights" in e}
+def _one_of(entries: list[dict], key: str, what: str) -> str | None:
+    """The sha256 under `key` that every trained member shares (None: none has one); members trained on different
+    weights (latents of other autoencoders, captions of other text encoders) cannot be mixed."""
+    found = {e.get(key) for e in entries if "weights" in e}
     if len(found) > 1:
-        named = ", ".join(f"{e['name']} {str(e.get('autoencoder_sha256'))[:12]}" for e in entries if "weights" in e)
-        raise CheckpointError(f"the members trained on different autoencoders ({named}); their samples are not in "
-                              "one latent space")
+        named = ", ".join(f"{e['name']} {str(e.get(key))[:12]}" for e in entries if "weights" in e)
+        raise CheckpointError(f"the members trained on different {what} ({named}); they cannot be mixed")
     return found.pop() if found else None
 
 
@@ -85,8 +87,12 @@ def write_manifest(cfg: Config) -> dict:
     manifest = {"k": cfg.ddm.k, "prior": prior, "partition": partition.get("method"),
                 "experts": experts, "router": _entry(root, router_dir(cfg), "router")}
     members = [part for e in experts for part in e.get("ranges", [e])] + [manifest["router"]]
-    if (autoencoder := _one_autoencoder(members)) is not None:  # what sampling decodes with, checked at every open
-        manifest["autoencoder_sha256"] = autoencoder
+    # what sampling decodes with (every member saw the latents) and encodes prompts with (the experts read them; the
+    # router reads no text yet), checked at every open
+    for key, what, among in (("autoencoder_sha256", "autoencoders", members),
+                             ("text_encoder_sha256", "text encoders", members[:-1])):
+        if (sha256 := _one_of(among, key, what)) is not None:
+            manifest[key] = sha256
     if cfg.ddm.t_ranges:
         manifest["t_ranges"] = cfg.ddm.t_ranges
     if partition.get("sizes_by_class"):  # p(cluster | class), for ancestral routing of class-conditional samples
@@ -172,7 +178,8 @@ class LearnedRouter:
         self.net = net
 
     def __call__(self, x, t, cond=None):
-        return route(self.net, x, t, cond)
+        # a router that reads no condition (the experts' captions, which routers do not read yet) routes on x_t alone
+        return route(self.net, x, t, cond if self.net.condition is not None else None)
 
 
 def load_ensemble(root: Path, routing: str = DEFAULT_ROUTING, max_loaded: int | None = None, seed: int = 0,
@@ -225,7 +232,8 @@ def ancestral_clusters(manifest: dict, seed: int, first: int, num: int, labels: 
     # the stream keeps the name of the policy's first release, so earlier samples are drawn again exactly
     u = streams.uniform(seed, list(range(first, first + num)), "oracle").double()
     prior = torch.tensor(manifest["prior"], dtype=torch.float64).expand(num, -1)
-    if labels is not None and manifest.get("prior_by_class"):
+    # a class's own table; a prompt (a packed caption, not an index) draws from the sizes
+    if labels is not None and labels.dim() == 1 and manifest.get("prior_by_class"):
         table = torch.tensor(manifest["prior_by_class"] + [manifest["prior"]], dtype=torch.float64)
         prior = table[torch.as_tensor(labels, dtype=torch.long).cpu()]
     if available is not None and not available.all():

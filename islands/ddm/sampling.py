@@ -10,6 +10,7 @@ from islands.ddm.mixture import DEFAULT_ROUTING, parse_routing
 from islands.ddm.time_gate import load_time_gate
 from islands.errors import ConfigError
 from islands.generate import Sampler, open_run, sample_options
+from islands.train.captions import recorded_text_encoder
 from islands.train.latents import open_data_space
 
 
@@ -28,7 +29,8 @@ def open_sampler(path: Path, options: dict | None = None, use_ema: bool = True, 
     if (path / "tstages").is_dir():
         gate, cfg, info = load_time_gate(path, use_ema)
         return Sampler(gate, cfg, tuple(info["shape"]), info["num_classes"], sample_options(cfg, options, device),
-                       space=open_data_space(cfg, Path(cfg.run_dir), device))  # the ranges trained on one autoencoder
+                       space=open_data_space(cfg, Path(cfg.run_dir), device),  # the ranges trained on one autoencoder
+                       text_encoder_sha256=recorded_text_encoder(Path(cfg.run_dir)))
     return open_run(path, options, use_ema, device)
 
 
@@ -50,4 +52,5 @@ def open_ensemble(root: Path, options: dict | None = None, routing: str = DEFAUL
     assignment = functools.partial(ancestral_assignment, mixture, manifest)
     # on latents: the autoencoder every member trained on, as the manifest recorded it
     space = open_data_space(cfg, root, device, sha256=manifest.get("autoencoder_sha256"))
-    return Sampler(mixture, cfg, shape, cfg.model.num_classes, opts, assignment, manifest, space)
+    return Sampler(mixture, cfg, shape, cfg.model.num_classes, opts, assignment, manifest, space,
+                   manifest.get("text_encoder_sha256"))

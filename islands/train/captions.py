@@ -62,11 +62,10 @@ def recorded_text_encoder(run_dir: Path) -> str | None:
     return json.loads(path.read_text())["sha256"] if path.exists() else None
 
 
-def open_run_text_encoder(cfg, run_dir: Path, device="cpu", starting: bool = False) -> TextEncoder:
-    """The run's text encoder, checked against its record (a run `starting` is bound once it has a checkpoint) and
+def open_run_text_encoder(cfg, sha256: str | None, device="cpu") -> TextEncoder:
+    """The text encoder `cfg` names, checked against `sha256` (what the run or ensemble recorded; None: unbound) and
     against the widths its network was built for."""
-    bound = not starting or latest_checkpoint(run_dir) is not None
-    encoder = open_text_encoder(cfg.data.text_encoder, recorded_text_encoder(run_dir) if bound else None, device)
+    encoder = open_text_encoder(cfg.data.text_encoder, sha256, device)
     model = cfg.model
     if (encoder.width, encoder.pooled_width) != (model.text_width, model.text_pooled_width):
         raise DataError(f"data.text_encoder: {cfg.data.text_encoder} gives {encoder.width}-wide tokens and a "
@@ -85,7 +84,8 @@ def condition_on_captions(cfg, run_dir: Path, source: Source, device="cpu", prog
     elif not source.captioned:
         raise DataError(f"model.condition: text, but the data ({cfg.data.source}) has no captions")
     else:
-        encoder = open_run_text_encoder(cfg, run_dir, device, starting=True)
+        bound = latest_checkpoint(run_dir) is not None  # a start binds once the run has trained on the encoder
+        encoder = open_run_text_encoder(cfg, recorded_text_encoder(run_dir) if bound else None, device)
         conditioned = WithConditions(source, caption_table(source, encoder, cfg.model.text_tokens, progress))
         sha256 = encoder.sha256
     conditioned.encoder_sha256 = sha256
