@@ -126,7 +126,7 @@ def captioned(data) -> bool:
         return False  # a folder that cannot be read is refused, by name, where the run opens it
 
 
-TEXT_ARCHS = ("dit", "unet")  # the networks that read a caption (cross-attention)
+TEXT_ARCHS = ("dit", "unet", "router")  # the networks that read a caption (a router its pooled vector only)
 
 
 # --- model: one variant per network, told apart by `arch` (the registry is islands/nets/__init__.py) ---

@@ -115,8 +115,8 @@ def test_a_run_on_captions_is_text_conditioned_resumes_bit_identically_and_sampl
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"model": {"arch": "mlp", "condition": "text"}}, "model.condition: text is read by dit, unet networks, not "
-                                                      "'mlp'"),
+    ({"model": {"arch": "mlp", "condition": "text"}}, "model.condition: text is read by dit, unet, router networks, "
+                                                      "not 'mlp'"),
     ({"model": {"condition": "text", "num_classes": 4}}, "model.condition: 'text' with model.num_classes=4"),
 ])
 def test_a_text_condition_a_network_cannot_take_is_refused_by_key(tmp_path, capsys, change, message):
@@ -187,6 +187,24 @@ def test_an_ensemble_of_text_conditioned_experts_samples_prompts_under_every_pol
                      "--prompt", apple, "--prompt", second, "--quiet"]) == 0
     same, other = (np.load(tmp_path / out / "samples.npz")["x"] for out in ("aa", "af"))
     assert np.array_equal(same[0], other[0]) and not np.allclose(same[1], other[1])
+
+
+def test_the_router_of_text_conditioned_experts_reads_the_caption(text_ensemble):
+    """p(cluster | x_t, t, caption): the ensemble's router is text-conditioned, and its pooled caption joins t in
+    adaLN (random weights: a router trained two steps has barely moved its zero-initialised modulation), so two
+    captions route the same x_t apart, and no caption (guidance's unconditional branch) routes too."""
+    from islands.config import load_config
+
+    root, manifest = text_ensemble
+    cfg = load_config(root / "router" / "config.yaml")
+    assert cfg.model.condition == "text"
+    assert manifest["router"]["text_encoder_sha256"] == manifest["text_encoder_sha256"]
+    router = randomised(build_network(cfg.model, (3, 8, 8), 0))
+    assert not hasattr(router.condition, "tokens")  # the pooled vector only: no parameter it never uses
+    x, t = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([0.3])
+    apple, face = caption(16, 5, seed=1, width=384), caption(16, 5, seed=2, width=384)
+    assert not torch.allclose(router(x, t, apple), router(x, t, face))
+    assert router(x, t, None).shape == router(x, t, apple).shape == (1, 2)
 
 
 @pytest.fixture(scope="module")

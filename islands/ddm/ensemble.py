@@ -87,11 +87,9 @@ def write_manifest(cfg: Config) -> dict:
     manifest = {"k": cfg.ddm.k, "prior": prior, "partition": partition.get("method"),
                 "experts": experts, "router": _entry(root, router_dir(cfg), "router")}
     members = [part for e in experts for part in e.get("ranges", [e])] + [manifest["router"]]
-    # what sampling decodes with (every member saw the latents) and encodes prompts with (the experts read them; the
-    # router reads no text yet), checked at every open
-    for key, what, among in (("autoencoder_sha256", "autoencoders", members),
-                             ("text_encoder_sha256", "text encoders", members[:-1])):
-        if (sha256 := _one_of(among, key, what)) is not None:
+    # what sampling decodes with (every member saw the latents) and encodes prompts with, checked at every open
+    for key, what in (("autoencoder_sha256", "autoencoders"), ("text_encoder_sha256", "text encoders")):
+        if (sha256 := _one_of(members, key, what)) is not None:
             manifest[key] = sha256
     if cfg.ddm.t_ranges:
         manifest["t_ranges"] = cfg.ddm.t_ranges
@@ -178,7 +176,7 @@ class LearnedRouter:
         self.net = net
 
     def __call__(self, x, t, cond=None):
-        # a router that reads no condition (the experts' captions, which routers do not read yet) routes on x_t alone
+        # a router that reads no condition (an unconditional one beside class-conditional experts) routes on x_t
         return route(self.net, x, t, cond if self.net.condition is not None else None)
 
 

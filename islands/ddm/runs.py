@@ -85,7 +85,8 @@ def expert_runs(cfg: Config, k: int) -> list[Path]:
 def router_config(cfg: Config) -> Config:
     _require_ddm(cfg)
     r = cfg.ddm.router
-    model = {"arch": "router", "num_classes": cfg.model.num_classes, "outputs": cfg.ddm.k, "depth": r.depth}
+    model = {"arch": "router", "num_classes": cfg.model.num_classes, "outputs": cfg.ddm.k, "depth": r.depth,
+             "condition": cfg.model.condition, "text_tokens": cfg.model.text_tokens}  # the experts' condition
     model.update({"hidden": r.hidden or max(16, cfg.model.hidden // 4)} if cfg.model.arch == "mlp" else
                  {"hidden_size": r.hidden_size, "num_heads": r.num_heads, "patch_size": r.patch_size})
     train = {"objective": "router", "batch_size": r.batch_size, "lr": r.lr, "accumulate": 1, "warmup_images": 0,

@@ -40,7 +40,7 @@ def _router(cfg, shape: tuple, num_classes: int) -> nn.Module:
         return MLPRouter(shape[0], cfg.outputs, hidden=cfg.hidden, depth=cfg.depth or 4, num_classes=num_classes)
     return TransformerRouter(shape[1], shape[0], cfg.outputs, patch_size=cfg.patch_size,
                              hidden_size=cfg.hidden_size or 128, depth=cfg.depth or 4, num_heads=cfg.num_heads or 4,
-                             num_classes=num_classes)
+                             num_classes=num_classes, text=text_widths(cfg))
 
 
 def _autoencoder_kl(cfg, shape: tuple, num_classes: int) -> nn.Module:

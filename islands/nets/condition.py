@@ -78,16 +78,17 @@ class TextCondition(nn.Module):
 
     kind = "text"
 
-    def __init__(self, widths: TextWidths, hidden_size: int):
+    def __init__(self, widths: TextWidths, hidden_size: int, tokens: bool = True):
         super().__init__()
         width, pooled_width = widths.width, widths.pooled_width
         self.widths, self.width, self.pooled_width = widths, width, pooled_width
         self.depth = max(width, pooled_width)
         self.pooled = nn.Sequential(nn.Linear(pooled_width, hidden_size), nn.SiLU(),
                                     nn.Linear(hidden_size, hidden_size))
-        self.tokens = nn.Sequential(nn.Linear(width, hidden_size), nn.GELU(), nn.Linear(hidden_size, hidden_size))
         self.null_pooled = nn.Parameter(torch.zeros(pooled_width))
-        self.null_token = nn.Parameter(torch.zeros(width))
+        if tokens:  # a network that reads the pooled vector alone (a router) holds no parameter it never uses
+            self.tokens = nn.Sequential(nn.Linear(width, hidden_size), nn.GELU(), nn.Linear(hidden_size, hidden_size))
+            self.null_token = nn.Parameter(torch.zeros(width))
 
     def null(self, batch: int, device) -> Tensor:
         """No caption, for `batch` examples (one empty token row: `context` puts the learned null there)."""

@@ -45,11 +45,12 @@ class ConditionEmbedder(nn.Module):
     """Time embedding plus the condition's embedding (ADM / DiT sum them): a class's when num_classes > 0, a
     caption's pooled vector given `text` (SD3 adds it to the timestep's the same way)."""
 
-    def __init__(self, hidden_size, num_classes=0, frequency_size=256, text: TextWidths | None = None):
+    def __init__(self, hidden_size, num_classes=0, frequency_size=256, text: TextWidths | None = None,
+                 text_tokens: bool = True):
         super().__init__()
         self.time = TimestepEmbedder(hidden_size, frequency_size)
         # named `label` in the checkpoints of every run so far (embed.label.embedding_table.weight)
-        self.label = (TextCondition(text, hidden_size) if text is not None else
+        self.label = (TextCondition(text, hidden_size, text_tokens) if text is not None else
                       ClassCondition(num_classes, hidden_size) if num_classes > 0 else None)
 
     @property

@@ -1,4 +1,4 @@
-"""Routers: p(cluster | x_t, t, class) for a Decentralized Diffusion Model (McAllister et al. 2025).
+"""Routers: p(cluster | x_t, t, class or caption) for a Decentralized Diffusion Model (McAllister et al. 2025).
 
 The paper's router is a small transformer of the denoiser's kind, conditioned on t and the class, trained
 with cross-entropy against the cluster of noised training images. Here: DiT blocks over image patches,
@@ -14,7 +14,7 @@ mode weights of the samples are decided. The prior table is a buffer, filled fro
 import torch
 from torch import nn
 
-from islands.nets.condition import Conditioned
+from islands.nets.condition import Conditioned, TextWidths
 from islands.nets.dit import DiTBlock, sincos_2d
 from islands.nets.layers import ConditionEmbedder
 from islands.nets.mlp import MLP
@@ -33,7 +33,7 @@ class PriorAnchor(nn.Module):
         self.log_prior.copy_(torch.as_tensor(table, dtype=self.log_prior.dtype).clamp_min(1e-6).log())
 
     def forward(self, logits, t, cond=None):
-        if cond is None:  # no class: the last row
+        if cond is None or cond.dim() != 1:  # no class (none, or a caption: p(k | text) has no table): the last row
             cond = torch.full((logits.shape[0],), self.num_classes, dtype=torch.long, device=logits.device)
         rows = self.log_prior[cond]
         return rows.to(logits.dtype) + (1 - t).to(logits.dtype).unsqueeze(1) * logits
@@ -41,7 +41,7 @@ class PriorAnchor(nn.Module):
 
 class TransformerRouter(Conditioned, nn.Module):
     def __init__(self, input_size, in_channels, outputs, patch_size=4, hidden_size=128, depth=4, num_heads=4,
-                 num_classes=0):
+                 num_classes=0, text: TextWidths | None = None):
         super().__init__()
         if input_size % patch_size or hidden_size % num_heads or hidden_size % 4:
             raise ValueError(f"patch_size {patch_size} must divide input size {input_size}, num_heads {num_heads} "
@@ -49,7 +49,8 @@ class TransformerRouter(Conditioned, nn.Module):
         grid = input_size // patch_size
         self.num_classes = num_classes
         self.x_embedder = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size)
-        self.embed = ConditionEmbedder(hidden_size, num_classes)
+        # a caption's pooled vector joins t in adaLN, as the class does (the paper's router is conditioned on text so)
+        self.embed = ConditionEmbedder(hidden_size, num_classes, text=text, text_tokens=False)
         self.register_buffer("pos_embed", sincos_2d(grid, hidden_size).unsqueeze(0).float())
         self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads) for _ in range(depth))
         self.norm = nn.LayerNorm(hidden_size)

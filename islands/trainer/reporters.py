@@ -212,7 +212,8 @@ class RouterAccuracy(Reporter):
         probe = p.space.encode(fixed_probe(p, min(len(p.source), 2000)))  # a latent run: latents
         # the exact posterior is over the examples themselves: not one draw of their latents, which the router sees
         small = len(p.source) * math.prod(p.shape) <= EXACT_POSTERIOR_LIMIT
-        if self.exact is None and small and p.space == PIXELS:
+        # and of a class or nothing: a caption has no exact posterior over these examples to compare with
+        if self.exact is None and small and p.space == PIXELS and p.cfg.model.condition != "text":
             self.exact = exact_cluster_posterior(p.source, p.cfg.model.outputs, p.num_classes)
         report = {"images": step.progress.images, **p.objective.report_by_t(plain, probe, self.exact)}
         atomic_write_text(p.run_dir / "router_accuracy.json", json.dumps(report, indent=1))
