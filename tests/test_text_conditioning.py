@@ -179,6 +179,12 @@ def test_caption_embeddings_stored_by_islands_encode_train_without_the_text_enco
 @pytest.mark.parametrize("routing", ["ancestral", "full", "topk:1"])
 def test_an_ensemble_of_text_conditioned_experts_samples_prompts_under_every_policy(text_ensemble, tmp_path, routing):
     root, manifest = text_ensemble
+    assert manifest["condition_router"]["clusters"] == 2  # ancestral's p(cluster | text), verified at every open
+    calibration = json.loads((root / "condition_router" / "condition_router.json").read_text())["calibration"]
+    assert calibration["held_out"] == 7 and len(calibration["shares_predicted"]) == 2
+    from islands.ddm.sampling import open_sampler
+
+    assert open_sampler(root, routing="ancestral").assignment.keywords["condition_prior"] is not None
     assert manifest["text_encoder_sha256"] == json.loads((root / "experts" / "0" / "text_encoder.json").read_text())[
         "sha256"]
     apple, face = "red apple, food and drink, food fruit", "grinning face, smileys and emotion, face smiling"
@@ -186,7 +192,9 @@ def test_an_ensemble_of_text_conditioned_experts_samples_prompts_under_every_pol
         assert main(["sample", str(root), "--num", "2", "--out", str(tmp_path / out), "--routing", routing,
                      "--prompt", apple, "--prompt", second, "--quiet"]) == 0
     same, other = (np.load(tmp_path / out / "samples.npz")["x"] for out in ("aa", "af"))
-    assert np.array_equal(same[0], other[0]) and not np.allclose(same[1], other[1])
+    # sample 0 is the same (to the rounding of the expert batches it shares with sample 1), sample 1 follows its prompt
+    np.testing.assert_allclose(same[0], other[0], rtol=0, atol=1e-5)
+    assert not np.allclose(same[1], other[1])
 
 
 def test_the_router_of_text_conditioned_experts_reads_the_caption(text_ensemble):
@@ -205,6 +213,36 @@ def test_the_router_of_text_conditioned_experts_reads_the_caption(text_ensemble)
     apple, face = caption(16, 5, seed=1, width=384), caption(16, 5, seed=2, width=384)
     assert not torch.allclose(router(x, t, apple), router(x, t, face))
     assert router(x, t, None).shape == router(x, t, apple).shape == (1, 2)
+
+
+def test_the_condition_router_learns_each_captions_cluster_shares():
+    """Three captions, each seen 40 times, split over 2 clusters 32:8, 0:40 and 20:20: the maximum-likelihood
+    p(cluster | caption) is that hand-built table, and the held-out calibration is reported."""
+    from islands.ddm.condition_router import fit_condition_router
+
+    gen = torch.Generator().manual_seed(0)
+    captions = torch.randn(3, 16, generator=gen)
+    table = torch.tensor([[32, 8], [0, 40], [20, 20]])
+    pooled = captions.repeat_interleave(40, dim=0)
+    clusters = torch.cat([torch.tensor([0] * a + [1] * b) for a, b in table.tolist()])
+    router, report = fit_condition_router(pooled, clusters, 2, seed=0, held_out=0.0, steps=800)
+    expected = table.double() / 40
+    torch.testing.assert_close(router(captions).softmax(1).double(), expected, rtol=0, atol=0.03)
+    _, held = fit_condition_router(pooled, clusters, 2, seed=0, held_out=0.25, steps=800)
+    assert held["held_out"] == 30 and held["log_loss"] < held["prior_log_loss"]
+    assert sum(held["shares_predicted"]) == pytest.approx(1.0)
+
+
+def test_ancestral_routing_draws_a_prompts_expert_from_the_condition_router():
+    from islands.ddm.ensemble import ancestral_clusters
+
+    manifest = {"prior": [0.5, 0.5], "prior_by_class": [[1.0, 0.0]]}
+    prompts = caption(4, 2).expand(200, -1, -1)
+    certain = ancestral_clusters(manifest, 0, 0, 200, prompts, condition_prior=lambda labels: torch.tensor(
+        [[0.0, 1.0]], dtype=torch.float64).expand(len(labels), -1))
+    assert certain.tolist() == [1] * 200  # the router's p(cluster | text), not the class table nor the sizes
+    sizes = ancestral_clusters(manifest, 0, 0, 200, prompts)
+    assert 60 < int(sizes.sum()) < 140  # no condition router: the sizes
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,11 @@ class WithConditions(Source):
 
     def get(self, indices):
         x, _ = self.source.get(indices)
-        return x, self.table[torch.as_tensor(list(indices), dtype=torch.long)]
+        return x, self.conditions(indices)
+
+    def conditions(self, indices) -> torch.Tensor:
+        """The examples' conditions alone, without reading the examples."""
+        return self.table[torch.as_tensor(list(indices), dtype=torch.long)]
 
     def captions(self, indices) -> list[str]:
         return self.source.captions(indices)
@@ -37,6 +41,5 @@ class WithStoredConditions(WithConditions):
     def __init__(self, source: Source):
         super().__init__(source, None)
 
-    def get(self, indices):
-        x, _ = self.source.get(indices)
-        return x, self.source.caption_embeddings(indices)
+    def conditions(self, indices) -> torch.Tensor:
+        return self.source.caption_embeddings(indices)

@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 
 from islands.config import Config, to_dict, validate
+from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS, ConditionRouter, condition_prior
 from islands.ddm.mixture import DEFAULT_ROUTING, ExpertSlot, Mixture, PriorRouter, parse_routing
 from islands.ddm.runs import ensemble_dir, expert_dir, expert_runs, partition_dir, router_dir
 from islands.ddm.time_gate import TimeGate
@@ -93,6 +94,12 @@ def write_manifest(cfg: Config) -> dict:
             manifest[key] = sha256
     if cfg.ddm.t_ranges:
         manifest["t_ranges"] = cfg.ddm.t_ranges
+    weights = root / ROUTER_FOLDER / ROUTER_WEIGHTS
+    if weights.exists():  # p(cluster | text), which ancestral routing draws a prompt's expert from
+        sizes = json.loads((root / ROUTER_FOLDER / ROUTER_REPORT).read_text())
+        manifest["condition_router"] = {"name": "condition router", "weights": str(weights.relative_to(root)),
+                                        "sha256": file_sha256(weights),
+                                        **{k: sizes[k] for k in ("width", "clusters", "hidden")}}
     if partition.get("sizes_by_class"):  # p(cluster | class), for ancestral routing of class-conditional samples
         manifest["prior_by_class"] = [[c / sum(row) for c in row] if sum(row) else prior
                                       for row in partition["sizes_by_class"]]
@@ -219,21 +226,35 @@ def distillation_teacher(cfg: Config, device) -> Mixture:
     return load_ensemble(Path(cfg.data.partition).parent, routing, seed=cfg.seed, device=device)[0]
 
 
+def load_condition_prior(root: Path, manifest: dict):
+    """The ensemble's condition router as labels -> p(cluster | text) (its weights verified), or None without one."""
+    entry = manifest.get("condition_router")
+    if entry is None:
+        return None
+    router = ConditionRouter(entry["width"], entry["clusters"], entry["hidden"])
+    router.load_state_dict(_read_verified(Path(root), entry))
+    return condition_prior(router.eval(), entry["width"])
+
+
 def ancestral_clusters(manifest: dict, seed: int, first: int, num: int, labels: torch.Tensor | None = None,
-                       available: torch.Tensor | None = None):
+                       available: torch.Tensor | None = None, condition_prior=None):
     """Sample i's cluster, drawn by its own stream (the same at any batch size) from the cluster sizes, or, for a
     class-conditional sample, from p(cluster | its class): a trouser must go to an expert that has seen trousers.
-    Label `num_classes` (no label) draws from the sizes. With `available` (K booleans), missing experts' shares
-    are given to the others in proportion (evenly where a class has nothing else)."""
+    Label `num_classes` (no label) draws from the sizes; a prompt (a packed caption) from `condition_prior`,
+    p(cluster | text), where the ensemble has a condition router, else from the sizes. With `available` (K
+    booleans), missing experts' shares are given to the others in proportion (evenly where a class has nothing
+    else)."""
     from islands.data import streams
 
     # the stream keeps the name of the policy's first release, so earlier samples are drawn again exactly
     u = streams.uniform(seed, list(range(first, first + num)), "oracle").double()
     prior = torch.tensor(manifest["prior"], dtype=torch.float64).expand(num, -1)
-    # a class's own table; a prompt (a packed caption, not an index) draws from the sizes
+    # a class's own table; a prompt (a packed caption, not an index) its condition router's estimate
     if labels is not None and labels.dim() == 1 and manifest.get("prior_by_class"):
         table = torch.tensor(manifest["prior_by_class"] + [manifest["prior"]], dtype=torch.float64)
         prior = table[torch.as_tensor(labels, dtype=torch.long).cpu()]
+    elif labels is not None and labels.dim() > 1 and condition_prior is not None:
+        prior = condition_prior(labels)
     if available is not None and not available.all():
         prior = prior * available.double()
         prior = torch.where(prior.sum(1, keepdim=True) > 0, prior, available.double().expand_as(prior))
@@ -242,7 +263,7 @@ def ancestral_clusters(manifest: dict, seed: int, first: int, num: int, labels: 
     return drawn.clamp(max=prior.shape[1] - 1)
 
 
-def ancestral_assignment(mixture: Mixture, manifest: dict, seed: int, drawn_by=None):
+def ancestral_assignment(mixture: Mixture, manifest: dict, seed: int, drawn_by=None, condition_prior=None):
     """For `generate(for_batch=...)`: the mixture (or `drawn_by`, the same mixture spread over ranks) with every
     sample of the batch sent to its expert as ancestral routing draws it, around missing experts (None when the
     policy needs no assignment)."""
@@ -252,6 +273,6 @@ def ancestral_assignment(mixture: Mixture, manifest: dict, seed: int, drawn_by=N
     def for_batch(lo, hi, labels):
         mixture.warn_missing()
         return (drawn_by or mixture).assigned(ancestral_clusters(manifest, seed, lo, hi - lo, labels,
-                                                                 mixture.available))
+                                                                 mixture.available, condition_prior))
 
     return for_batch

@@ -11,8 +11,11 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from islands.config import Config, ConfigError, revalidate
 from islands.data import build_data
+from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, fit_condition_router, save_condition_router
 from islands.ddm.ensemble import MANIFEST, file_sha256, write_manifest
 from islands.ddm.members import Member, run_members
 from islands.ddm.mixture import DEFAULT_ROUTING
@@ -33,6 +36,7 @@ from islands.flow.samplers import evaluations_per_sample
 from islands.generate import open_run
 from islands.images import save_samples_picture, save_side_by_side
 from islands.rundir import describe_run, latest_checkpoint, prepare_run_dir, trained_below
+from islands.train.captions import condition_on_captions
 from islands.train.flops import flops_per_image
 from islands.train.latents import open_data_space
 from islands.train.objectives import build_objective
@@ -221,12 +225,28 @@ def format_comparison(table: dict) -> str:
 
 
 def build_ensemble(cfg: Config, jobs: int = 1, progress: bool = True) -> dict:
-    """Partition, experts, router (and the monolith with ddm.monolith), then the manifest; skips what is done."""
+    """Partition, (for captions) the condition router, experts, router (and the monolith with ddm.monolith), then the
+    manifest; skips what is done."""
     member_configs(cfg)  # every member's config error, before anything is written or trained
     _save_ensemble_config(cfg)
     run_partition(cfg, progress)
+    run_condition_router(cfg)
     train_members(cfg, jobs, progress)
     return write_manifest(cfg)
+
+
+def run_condition_router(cfg: Config) -> Path | None:
+    """ENSEMBLE/condition_router of a text-conditioned ensemble, p(cluster | text) from the partition and every
+    caption's pooled embedding (once; None for any other condition)."""
+    folder = ensemble_dir(cfg) / ROUTER_FOLDER
+    if cfg.model.condition != "text" or (folder / ROUTER_REPORT).exists():
+        return folder if cfg.model.condition == "text" else None
+    made = Partition.load(partition_dir(cfg))
+    captions = condition_on_captions(cfg, partition_dir(cfg), whole_data(cfg))  # encoded once, or as stored
+    width, n = cfg.model.text_pooled_width, len(captions)
+    pooled = torch.cat([captions.conditions(range(lo, min(n, lo + 4096)))[:, 0, :width] for lo in range(0, n, 4096)])
+    router, report = fit_condition_router(pooled, torch.from_numpy(made.cluster), cfg.ddm.k, cfg.seed)
+    return save_condition_router(router, ensemble_dir(cfg), report)
 
 
 def run_ddm(cfg: Config, jobs: int = 1, progress: bool = True) -> dict:

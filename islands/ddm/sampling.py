@@ -5,7 +5,7 @@ import functools
 from pathlib import Path
 
 from islands.config import load_config
-from islands.ddm.ensemble import MANIFEST, ancestral_assignment, load_ensemble
+from islands.ddm.ensemble import MANIFEST, ancestral_assignment, load_condition_prior, load_ensemble
 from islands.ddm.mixture import DEFAULT_ROUTING, parse_routing
 from islands.ddm.time_gate import load_time_gate
 from islands.errors import ConfigError
@@ -49,7 +49,8 @@ def open_ensemble(root: Path, options: dict | None = None, routing: str = DEFAUL
                                       call_batch=opts.batch_size)
     shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)  # load_ensemble ensured one
     opts = opts.model_copy(update={"batch_size": mixture.samples_at_once(opts.batch_size)})
-    assignment = functools.partial(ancestral_assignment, mixture, manifest)
+    assignment = functools.partial(ancestral_assignment, mixture, manifest,
+                                   condition_prior=load_condition_prior(root, manifest))
     # on latents: the autoencoder every member trained on, as the manifest recorded it
     space = open_data_space(cfg, root, device, sha256=manifest.get("autoencoder_sha256"))
     return Sampler(mixture, cfg, shape, cfg.model.num_classes, opts, assignment, manifest, space,
