@@ -370,7 +370,8 @@ class EvalConfig(Section):
 
 class PartitionConfig(Section):
     method: Literal["kmeans", "random", "label"] = "kmeans"  # label: the oracle by class, for comparison
-    features: Literal["pixels", "classifier", "torch"] = "pixels"  # torch: as eval.feature_net/weights
+    # torch: as eval.feature_net/weights; text: each example's caption's pooled embedding (model.condition text)
+    features: Literal["pixels", "classifier", "torch", "text"] = "pixels"
     pca_dim: int | None = Field(64, gt=0)  # None: cluster the features as they are
     fine: int = Field(1024, gt=1)  # fine k-means centroids, then K coarse clusters over them
     balanced: bool = True

@@ -259,3 +259,27 @@ def text_ensemble(tmp_path_factory):
                              "images": 16}}
     assert main(["ddm", write_config(where / "ddm.yaml", raw), "--quiet"]) == 0
     return where / "ens", json.loads((where / "ens" / "ensemble.json").read_text())
+
+
+def test_a_partition_by_text_clusters_the_captions_pooled_embeddings(tmp_path):
+    emoji_or_skip()
+    from islands.config import load_config
+    from islands.data import build_data
+    from islands.data.sources import _ArraySource
+    from islands.ddm.partition import Partition, partition
+    from islands.nets.text_folder import bundled_text_encoder
+    from islands.train.captions import encode_captions
+
+    raw = emoji_run(tmp_path / "ens")
+    raw["data"]["limit"] = 64
+    raw["ddm"] = {"k": 2, "partition": {"method": "kmeans", "features": "text", "pca_dim": 8, "fine": 8}}
+    config = write_config(tmp_path / "c.yaml", raw)
+    assert main(["partition", config, "--quiet"]) == 0
+    made = Partition.load(tmp_path / "ens" / "partition")
+    # by hand: MiniLM's pooled vector of each caption, clustered as any vectors are
+    source = build_data(load_config(config).data, 1)
+    pooled = encode_captions(bundled_text_encoder(), source.captions(range(64)), 16)[:, 0, :384]
+    expected = partition(source, 2, "kmeans", None, 8, 8, True, seed=1, seen=_ArraySource(pooled, None, 0))
+    assert made.features_name == "text+pca8" and np.array_equal(made.cluster, expected.cluster)
+    pixels = partition(source, 2, "kmeans", None, 8, 8, True, seed=1)
+    assert not np.array_equal(made.cluster, pixels.cluster)  # not what the images alone give

@@ -298,13 +298,15 @@ def _deal_classes(labels: np.ndarray, k: int) -> np.ndarray:
 
 def partition(source: Source, k: int, method: str = "kmeans", features: Features | None = None,
               pca_dim: int | None = 64, fine: int = 1024, balanced: bool = True, seed: int = 0,
-              progress: bool = False, sample: int = 65_536) -> Partition:
+              progress: bool = False, sample: int = 65_536, seen: Source | None = None) -> Partition:
     """Split `source` into k clusters.
 
     kmeans: features (default `Pixels()`), PCA to pca_dim when they are wider, k-means into min(fine, N) fine
     centroids, then k-means over those centroids weighted by their sizes into k coarse clusters (balanced or not).
     Beyond `sample` examples, PCA and fine centroids are fitted on a seeded sample of that many and every example
-    is assigned to its nearest fine centroid in one streaming pass (the module's docstring).
+    is assigned to its nearest fine centroid in one streaming pass (the module's docstring). `seen` (the same
+    examples in the same order, another view of them: their captions' embeddings) is what the features are computed
+    from, where given; the partition records `source`'s fingerprint.
     random: a seeded shuffle dealt round-robin, so sizes differ by at most 1. label: whole classes dealt to clusters,
     largest first to the least-loaded one.
     """
@@ -342,13 +344,13 @@ def partition(source: Source, k: int, method: str = "kmeans", features: Features
     if method == "label":
         return made(_deal_classes(labels, k), "labels")
 
-    features = features or Pixels()
+    features, seen = features or Pixels(), seen or source
     sampled = n > sample
     if sampled:
         fitted_on = np.sort(torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:sample].numpy())
-        z = torch.cat(list(_feature_chunks(features, source, fitted_on, progress)))
+        z = torch.cat(list(_feature_chunks(features, seen, fitted_on, progress)))
     else:
-        z = features.of_source(source, progress=progress).float()
+        z = features.of_source(seen, progress=progress).float()
     name, axes = features.name, None
     if pca_dim and z.shape[1] > pca_dim:
         axes, name = pca_axes(z, pca_dim), f"{name}+pca{pca_dim}"
@@ -357,7 +359,7 @@ def partition(source: Source, k: int, method: str = "kmeans", features: Features
     if sampled:  # the whole data, in one streaming pass: each example to its nearest fine centroid
         del z
         fine_assignment = torch.cat([_nearest(project(chunk, *axes) if axes else chunk, fine_centroids)
-                                     for chunk in _feature_chunks(features, source, np.arange(n), progress)])
+                                     for chunk in _feature_chunks(features, seen, np.arange(n), progress)])
         used = torch.unique(fine_assignment)  # sorted; a centroid of the sample may be no example's nearest
         fine_centroids, fine_assignment = fine_centroids[used], torch.searchsorted(used, fine_assignment)
     counts = torch.bincount(fine_assignment, minlength=len(fine_centroids))

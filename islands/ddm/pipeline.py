@@ -15,6 +15,7 @@ import torch
 
 from islands.config import Config, ConfigError, revalidate
 from islands.data import build_data
+from islands.data.sources import Source
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, fit_condition_router, save_condition_router
 from islands.ddm.ensemble import MANIFEST, file_sha256, write_manifest
 from islands.ddm.members import Member, run_members
@@ -64,14 +65,41 @@ def run_partition(cfg: Config, progress: bool = True) -> Partition:
     # other features are of images (stored latents' means decoded, as metrics see them).
     space = open_data_space(cfg, out)
     images = space.reference(source)
-    features = SeenThrough(Pixels(), space.examples_of)
-    if p.method == "kmeans" and p.features != "pixels":
+    features, seen = SeenThrough(Pixels(), space.examples_of), None
+    if p.method == "kmeans" and p.features == "text":  # what the captions say, not what the images show
+        if cfg.model.condition != "text":
+            raise ConfigError(f"ddm.partition.features: text clusters captions; model.condition is "
+                              f"{cfg.model.condition!r}, not text")
+        seen = PooledCaptions(condition_on_captions(cfg, out, source), cfg.model.text_pooled_width)
+        features = CaptionVectors()
+    elif p.method == "kmeans" and p.features != "pixels":
         built = build_features(revalidate(cfg.eval, "eval", features=p.features), images, cfg.seed, progress)
         features = SeenThrough(built, space.images_of)
-    made = partition(source, cfg.ddm.k, p.method, features, p.pca_dim, p.fine, p.balanced, cfg.seed, progress)
+    made = partition(source, cfg.ddm.k, p.method, features, p.pca_dim, p.fine, p.balanced, cfg.seed, progress,
+                     seen=seen)
     made.save(out)
     save_cluster_picture(made, images, out / "clusters.png")
     return made
+
+
+class CaptionVectors(Pixels):
+    """The pooled caption embeddings themselves, named for what they are."""
+
+    name = "text"
+
+
+class PooledCaptions(Source):
+    """Each example as its caption's pooled embedding (`ddm.partition.features: text`), read from the conditions a
+    text-conditioned run gives it (`condition_on_captions`), without reading the images."""
+
+    def __init__(self, conditioned: Source, width: int):
+        self.source, self.shape, self.num_classes = conditioned, (width,), 0
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def get(self, indices):
+        return self.source.conditions(indices)[:, 0, :self.shape[0]], None
 
 
 class SeenThrough(Features):
