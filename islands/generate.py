@@ -193,8 +193,9 @@ def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleC
 
 def write_samples(x: torch.Tensor, labels: torch.Tensor | None, out_dir: Path,
                   captions: list[str] | None = None) -> list[Path]:
-    """out_dir/samples.npz (array x, float32, data space; y when conditional) and a picture. Samples that are not
-    finite are written too (they are what the model made), and counted in a warning."""
+    """out_dir/samples.npz (array x, float32, data space; y when class-conditional, prompt when drawn for prompts)
+    and a picture. Samples that are not finite are written too (they are what the model made), and counted in a
+    warning."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     broken = int((~torch.isfinite(x.flatten(1))).any(1).sum())
@@ -206,6 +207,8 @@ def write_samples(x: torch.Tensor, labels: torch.Tensor | None, out_dir: Path,
     arrays = {"x": x.numpy().astype(np.float32)}
     if labels is not None:
         arrays["y"] = labels.numpy()
+    if captions is not None:  # each sample's prompt, as a unicode array (np.load reads it without pickle)
+        arrays["prompt"] = np.array(captions, dtype=str)
     atomic_write(out_dir / "samples.npz", lambda f: np.savez(f, **arrays))
     name = "grid.png" if x.dim() == 4 else "scatter.png"
     picture = save_samples_picture(x[:256], out_dir / name, captions=captions and captions[:64])

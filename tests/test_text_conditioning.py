@@ -107,6 +107,7 @@ def test_a_run_on_captions_is_text_conditioned_resumes_bit_identically_and_sampl
     same, other = (np.load(tmp_path / out / "samples.npz")["x"] for out in ("aa", "af"))
     assert np.array_equal(same[0], other[0]) and not np.allclose(same[1], other[1])
     assert (tmp_path / "af" / "prompts.txt").read_text() == f"{apple}\n{face}\n"
+    assert np.load(tmp_path / "af" / "samples.npz")["prompt"].tolist() == [apple, face]  # no pickle needed
     capsys.readouterr()
     assert main(["sample", str(straight), "--num", "2", "--out", str(tmp_path / "c"), "--class", "1",
                  "--prompt", apple, "--quiet"]) == 2
