@@ -9,8 +9,8 @@ class WithConditions(Source):
     """`source`'s examples, each with row n of `table` as its condition in place of its label (a text-conditioned
     run: its caption's packed embedding, islands/train/captions.py)."""
 
-    def __init__(self, source: Source, table: torch.Tensor):
-        self.source, self.table = source, table
+    def __init__(self, source: Source, table: torch.Tensor | None, made_by: str | None = None):
+        self.source, self.table, self.made_by = source, table, made_by  # made_by: the sha256 of what computed them
         self.shape, self.num_classes, self.flip = source.shape, source.num_classes, source.flip
         self.read_from, self.quantised, self.captioned = source.read_from, source.quantised, True
 
@@ -38,8 +38,8 @@ class WithConditions(Source):
 class WithStoredConditions(WithConditions):
     """`source`'s examples, each with its caption's embedding as the shards store it beside the example."""
 
-    def __init__(self, source: Source):
-        super().__init__(source, None)
+    def __init__(self, source: Source, made_by: str):
+        super().__init__(source, None, made_by)
 
     def conditions(self, indices) -> torch.Tensor:
         return self.source.caption_embeddings(indices)

@@ -80,16 +80,12 @@ def condition_on_captions(cfg, run_dir: Path, source: Source, device="cpu", prog
     if cfg.model.condition != "text":
         return source
     if source.stored_captions is not None:
-        conditioned, sha256 = WithStoredConditions(source), _check_stored(cfg, run_dir, source.stored_captions)
-    elif not source.captioned:
+        return WithStoredConditions(source, _check_stored(cfg, run_dir, source.stored_captions))
+    if not source.captioned:
         raise DataError(f"model.condition: text, but the data ({cfg.data.source}) has no captions")
-    else:
-        bound = latest_checkpoint(run_dir) is not None  # a start binds once the run has trained on the encoder
-        encoder = open_run_text_encoder(cfg, recorded_text_encoder(run_dir) if bound else None, device)
-        conditioned = WithConditions(source, caption_table(source, encoder, cfg.model.text_tokens, progress))
-        sha256 = encoder.sha256
-    conditioned.encoder_sha256 = sha256
-    return conditioned
+    bound = latest_checkpoint(run_dir) is not None  # a start binds once the run has trained on the encoder
+    encoder = open_run_text_encoder(cfg, recorded_text_encoder(run_dir) if bound else None, device)
+    return WithConditions(source, caption_table(source, encoder, cfg.model.text_tokens, progress), encoder.sha256)
 
 
 def _check_stored(cfg, run_dir: Path, stored: dict) -> str:
@@ -113,7 +109,7 @@ def _check_stored(cfg, run_dir: Path, stored: dict) -> str:
 def record_text_encoder(cfg, run_dir: Path, source: Source) -> None:
     """RUN/text_encoder.json for a text-conditioned run: the encoder it names and its weights' sha256."""
     if isinstance(source, WithConditions):
-        record = {"text_encoder": cfg.data.text_encoder, "sha256": source.encoder_sha256}
+        record = {"text_encoder": cfg.data.text_encoder, "sha256": source.made_by}
         atomic_write_text(Path(run_dir) / RECORD, json.dumps(record, indent=1))
 
 
