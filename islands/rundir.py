@@ -107,6 +107,13 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.isdigit() and (p / MARKER).exists())
 
 
+def recorded_weights(run_dir: Path, record: str) -> str | None:
+    """The sha256 of the weights a run recorded in RUN/<record> when it started (its autoencoder's, its text
+    encoder's), which every later open checks; None where the run has no such record."""
+    path = Path(run_dir) / record
+    return json.loads(path.read_text())["sha256"] if path.exists() else None
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None

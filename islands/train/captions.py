@@ -24,7 +24,7 @@ from islands.errors import DataError
 from islands.nets.condition import pack_text
 from islands.nets.text_encoder import TextEncoder
 from islands.nets.text_folder import MINILM_SHA256, open_text_encoder
-from islands.rundir import atomic_write_text, latest_checkpoint
+from islands.rundir import atomic_write_text, latest_checkpoint, recorded_weights
 from islands.train.encode import npy_bytes
 
 RECORD = "text_encoder.json"
@@ -58,8 +58,7 @@ def caption_table(source: Source, encoder: TextEncoder, tokens: int, progress: b
 
 def recorded_text_encoder(run_dir: Path) -> str | None:
     """The sha256 of the text encoder's weights a run trained with (RUN/text_encoder.json), None without one."""
-    path = Path(run_dir) / RECORD
-    return json.loads(path.read_text())["sha256"] if path.exists() else None
+    return recorded_weights(run_dir, RECORD)
 
 
 def open_run_text_encoder(cfg, sha256: str | None, device="cpu") -> TextEncoder:

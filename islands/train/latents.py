@@ -30,7 +30,7 @@ from islands.data.space import PIXELS, DataSpace
 from islands.errors import DataError
 from islands.nets.autoencoder import Autoencoder, LatentDistribution
 from islands.nets.vae_folder import load_autoencoder
-from islands.rundir import atomic_write_text, latest_checkpoint
+from islands.rundir import atomic_write_text, latest_checkpoint, recorded_weights
 
 RECORD = "autoencoder.json"
 
@@ -152,8 +152,7 @@ def stored_latents(cfg) -> dict | None:
 
 def recorded_sha256(run_dir: Path) -> str | None:
     """The sha256 of the autoencoder weights a run trained on (RUN/autoencoder.json), None for a run on pixels."""
-    path = Path(run_dir) / RECORD
-    return json.loads(path.read_text())["sha256"] if path.exists() else None
+    return recorded_weights(run_dir, RECORD)
 
 
 def open_data_space(cfg, run_dir: Path, device="cpu", starting: bool = False, sha256: str | None = None) -> DataSpace:
