@@ -326,9 +326,12 @@ def test_guidance_moves_samples_toward_their_prompt(tmp_path, monkeypatch):
     assert red3 - blue3 > red1 - blue1, (red3, blue3, red1, blue1)  # guidance pushes each further its way
 
 
-def test_a_text_run_pipelined_over_two_stages_follows_the_single_process(tmp_path):
-    """The caption's tokens and mask travel in the carry between pipeline stages: 2 stages, 4 micro-batches, the
-    single process's weights (measured: relative difference 7.5e-10)."""
+@pytest.mark.parametrize("strategy", [["parallel.strategy=pipeline", "parallel.microbatches=4"],
+                                      ["parallel.strategy=fsdp"]], ids=["pipeline", "fsdp"])
+def test_a_text_run_over_two_ranks_follows_the_single_process(tmp_path, strategy):
+    """Pipelined (the caption's tokens and mask travel in the carry between the 2 stages) or sharded (the caption's
+    projections sharded with the rest), the single process's weights (measured: relative differences 7.5e-10 and
+    2.6e-10)."""
     emoji_or_skip()
     from test_parallel import launch_ranks
     from test_pipeline import final_weights, relative_difference
@@ -337,6 +340,6 @@ def test_a_text_run_pipelined_over_two_stages_follows_the_single_process(tmp_pat
     torch.set_num_threads(1)
     single = final_weights(train(validate(cfg), progress=False))
     cfg = {**cfg, "run_dir": str(tmp_path / "pipe")}
-    ranks = launch_ranks(2, cfg, tmp_path, "parallel.strategy=pipeline", "parallel.microbatches=4")
+    ranks = launch_ranks(2, cfg, tmp_path, *strategy)
     assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
     assert relative_difference(single, final_weights(cfg["run_dir"])) < 1e-5
