@@ -90,14 +90,14 @@ class UNetBlock(nn.Module):
         super().__init__()
         self.res = ResBlock(in_channels, out_channels, emb_dim, dropout)
         self.attn = AttentionBlock(out_channels, num_heads) if attention else None
-        if attention and context_dim:
-            self.cross = CrossAttentionBlock(out_channels, context_dim, num_heads)
+        # cross-attention at the attention resolutions only; a block without it passes the caption by
+        self.cross = CrossAttentionBlock(out_channels, context_dim, num_heads) if attention and context_dim else None
 
     def forward(self, x, emb, context=None, mask=None):
         x = self.res(x, emb)
         if self.attn is not None:
             x = self.attn(x)
-        return self.cross(x, context, mask) if context is not None else x
+        return self.cross(x, context, mask) if self.cross is not None and context is not None else x
 
 
 class Downsample(nn.Module):
