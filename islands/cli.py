@@ -368,10 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="solver steps (default: the run's sample.steps)")
     p.add_argument("--metrics", nargs="+", metavar="METRIC",
                    help="fd kid precision_recall density_coverage, class_balance with classifier features; for "
-                        "Gaussian-mixture data also nll swd mode_mass velocity_mse (default: all that apply)")
-    p.add_argument("--features", choices=["classifier", "pixels", "torch"],
-                   help="feature network (default: eval.features; a classifier trained on the data for labelled "
-                        "images, else pixels); torch: the network --feature-net builds")
+                        "Gaussian-mixture data also nll swd mode_mass velocity_mse; for captioned images "
+                        "prompt_following (default: all that apply)")
+    p.add_argument("--features", choices=["classifier", "pixels", "torch", "contrastive"],
+                   help="feature network (default: eval.features; for captioned images the prompt judge's image "
+                        "tower, a classifier trained on the data for labelled ones, else pixels); torch: the network "
+                        "--feature-net builds")
     p.add_argument("--feature-net", metavar="MODULE:FUNCTION",
                    help="torch features: the function that builds the network (implies --features torch). Named "
                         "here only: the module a run's config names is never imported, the run may come from "

@@ -348,12 +348,16 @@ class EvalConfig(Section):
     every: int = Field(0, ge=0)  # images between evaluations during training; 0: none (use `islands eval`)
     num: int = Field(1000, gt=0)  # samples generated per evaluation
     metrics: list[str] | None = None  # None: every metric that applies to the data
-    features: Literal["classifier", "pixels", "torch"] | None = None  # None: classifier for labelled images
+    # None: the prompt judge's image features for captioned images, a classifier for labelled ones, else pixels
+    features: Literal["classifier", "pixels", "torch", "contrastive"] | None = None
     feature_net: str | None = None  # torch features: 'package.module:function' building the network
     feature_weights: str | None = None  # torch features: its weights, a safetensors file
     feature_size: int | None = Field(None, gt=0)  # torch features: resize images to this side first
     feature_channels: int | None = Field(None, gt=0)  # torch features: repeat grey images to this many channels
     classifier_epochs: int = Field(2, gt=0)
+    # prompt following of text-conditioned runs: None, Islands' contrastive judge; or a user's CLIP folder
+    prompt_judge: str | None = None
+    judge_epochs: int = Field(30, gt=0)  # training length of Islands' judge (cached under it)
     val_size: int = Field(256, ge=0)  # examples of the fixed validation probe; 0: no validation loss
     val_times: int = Field(8, gt=0)  # stratified times t = (k + 0.5) / val_times at which each is scored
 

@@ -18,6 +18,8 @@ from islands.data.gmm import GMMSource
 from islands.data.sources import Source
 from islands.errors import CheckpointError, DataError
 from islands.eval import exact, metrics
+from islands.eval.clip_judge import load_clip_judge
+from islands.eval.contrastive import load_judge
 from islands.eval.features import (
     ClassifierFeatures,
     Features,
@@ -27,12 +29,14 @@ from islands.eval.features import (
     load_classifier,
     load_torch_features,
 )
+from islands.eval.prompt_following import PromptJudge, held_out, prompt_following
 from islands.flow.denoiser import Denoiser
 from islands.generate import Sampler, open_run
 from islands.rundir import CONFIG, atomic_write_text, describe_run, is_run_dir, latest_checkpoint, read_npz
 from islands.train.latents import open_data_space, stored_latents
 
 SAMPLE_METRICS = ("fd", "kid", "precision_recall", "density_coverage", "class_balance")  # from samples alone
+PROMPT_METRICS = ("prompt_following",)  # captioned images, from samples drawn for prompts
 EXACT_METRICS = ("nll", "swd", "mode_mass")  # Gaussian mixtures, from samples alone
 DENOISER_METRICS = ("velocity_mse",)  # Gaussian mixtures, from the model itself
 REFERENCE_MAX = 10_000  # data examples whose features KID, precision/recall and density/coverage compare against
@@ -44,20 +48,37 @@ RENAMED = {"coverage": "'coverage' is now class_balance (the classes' shares aga
 def available_metrics(source: Source, features: Features | None, with_denoiser: bool) -> list[str]:
     # class_balance needs a classifier's predictions
     names = [m for m in SAMPLE_METRICS if m != "class_balance" or isinstance(features, ClassifierFeatures)]
+    if source.captioned and len(source.shape) == 3:
+        names += list(PROMPT_METRICS)
     if isinstance(source, GMMSource):
         names += list(EXACT_METRICS) + (list(DENOISER_METRICS) if with_denoiser else [])
     return names
 
 
+def default_features(source: Source) -> str:
+    if len(source.shape) != 3:
+        return "pixels"
+    return "contrastive" if source.captioned else "classifier" if source.num_classes else "pixels"
+
+
 def build_features(cfg: EvalConfig, source: Source, seed: int = 0, progress: bool = False) -> Features:
-    kind = cfg.features or ("classifier" if source.num_classes and len(source.shape) == 3 else "pixels")
+    kind = cfg.features or default_features(source)
     if kind == "pixels":
         return Pixels()
+    if kind == "contrastive":
+        return load_judge(source, seed, cfg.judge_epochs, progress).features()
     if kind == "classifier":
         return load_classifier(source, seed, cfg.classifier_epochs, progress=progress)
     if not (cfg.feature_net and cfg.feature_weights):
         raise ConfigError("eval.features: 'torch' needs eval.feature_net (module:function) and eval.feature_weights")
     return load_torch_features(cfg.feature_net, cfg.feature_weights, cfg.feature_size, cfg.feature_channels)
+
+
+def build_judge(cfg: EvalConfig, source: Source, seed: int = 0, progress: bool = False) -> PromptJudge:
+    """A user's CLIP folder (eval.prompt_judge), or Islands' contrastive judge trained on the data (cached)."""
+    if cfg.prompt_judge:
+        return load_clip_judge(cfg.prompt_judge)
+    return load_judge(source, seed, cfg.judge_epochs, progress)
 
 
 def trusted_features(cfg: EvalConfig, feature_net: str | None, config_file: Path, option: str) -> EvalConfig:
@@ -84,7 +105,32 @@ class Evaluator:
         """`device`: where the denoiser handed to each call runs (its exact velocity error is asked there)."""
         self.source, self.cfg, self.seed, self.progress, self.device = source, cfg, seed, progress, device
         self.features = build_features(cfg, source, seed, progress)
-        self._reference = None
+        self._reference, self._judge = None, None
+
+    def judge(self) -> PromptJudge:
+        if self._judge is None:
+            self._judge = build_judge(self.cfg, self.source, self.seed, self.progress)
+        return self._judge
+
+    def prompts(self, num: int) -> list[str]:
+        """The prompts of `num` samples of a text-conditioned model: the held-out captions (islands/eval/
+        prompt_following.py) in an order drawn from the seed, in turn."""
+        captions = self.source.captions(range(len(self.source)))
+        chosen = held_out(captions)
+        if not chosen:
+            raise DataError(f"{self.source!r}: none of its {len(captions)} captions is held out of the prompt judge's "
+                            f"training; prompt following needs a larger captioned set")
+        order = torch.randperm(len(chosen), generator=torch.Generator().manual_seed(self.seed))
+        return [captions[chosen[order[i % len(chosen)]]] for i in range(num)]
+
+    def real_prompt_following(self, num: int) -> dict:
+        """The ceiling: the real images of the first `num` prompts (each the image its caption belongs to), judged as
+        samples would be."""
+        captions = self.source.captions(range(len(self.source)))
+        where = {c: i for i, c in enumerate(captions)}
+        prompts = self.prompts(num)
+        x = self.source.get([where[p] for p in prompts])[0]
+        return prompt_following(self.judge().images(x), prompts, self.judge())
 
     def metrics(self, with_denoiser: bool) -> list[str]:
         present = available_metrics(self.source, self.features, with_denoiser)
@@ -116,18 +162,22 @@ class Evaluator:
         return self._reference
 
     @torch.no_grad()
-    def __call__(self, samples, denoiser: Denoiser | None = None) -> dict:
-        """samples: an iterable of batches (x, labels or None). Returns {metric: value}."""
+    def __call__(self, samples, denoiser: Denoiser | None = None, prompts: list[str] | None = None) -> dict:
+        """samples: an iterable of batches (x, labels or None); `prompts`: the prompt each sample was drawn for, in
+        order (a text-conditioned model's). Returns {metric: value}."""
         names = self.metrics(with_denoiser=denoiser is not None)
-        feats, predicted, kept, asked = [], [], [], []
+        judged = prompts is not None and "prompt_following" in names
+        feats, predicted, kept, asked, embedded = [], [], [], [], []
         for x, labels in samples:
             feats.append(self.features(x))
             if isinstance(self.features, ClassifierFeatures):
                 predicted.append(self.features.predict(x))
             if isinstance(self.source, GMMSource):
                 kept.append(x)
-            if labels is not None:
+            if labels is not None and labels.dim() == 1:  # class labels (a caption's condition is not one)
                 asked.append(labels)
+            if judged:
+                embedded.append(self.judge().images(x))
         feats = torch.cat(feats)
         short = [m for m in names if len(feats) < MIN_SAMPLES.get(m, 1)]
         if short:  # a samples file may hold fewer than eval.num would allow
@@ -149,6 +199,9 @@ class Evaluator:
             out["class_balance_tv"], out["class_balance"] = balance["total_variation"], balance
             if asked:  # a conditional model: how often the classifier sees the class that was asked for
                 out["label_accuracy"] = (predicted == torch.cat(asked)).double().mean().item()
+        if judged:
+            out.update(prompt_following(torch.cat(embedded), list(prompts), self.judge()))
+            out["prompt_judge"] = self.judge().name
         if isinstance(self.source, GMMSource):
             gmm, x = self.source.mixture, torch.cat(kept).double()
             if "nll" in names:
@@ -164,10 +217,12 @@ class Evaluator:
         return out
 
 
-def generated(sampler: Sampler, num: int, progress: bool = False, device="cpu", seed: int | None = None):
-    """Batches of (samples, labels) on the CPU from the per-sample noise stream of `seed` (the run's if None), every
-    class in turn, drawn on `device`; images clamped to the data range."""
-    labels = sampler.labels(num)
+def generated(sampler: Sampler, num: int, progress: bool = False, device="cpu", seed: int | None = None,
+              prompts: list[str] | None = None):
+    """Batches of (samples, conditions) on the CPU from the per-sample noise stream of `seed` (the run's if None),
+    every class in turn (or, for a text-conditioned run, `prompts` in turn), drawn on `device`; images clamped to the
+    data range."""
+    labels = sampler.labels(num) if prompts is None else sampler.prompted(prompts, num)
     bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
     for lo in range(0, num, sampler.opts.batch_size):
         n = min(sampler.opts.batch_size, num - lo)
@@ -176,6 +231,16 @@ def generated(sampler: Sampler, num: int, progress: bool = False, device="cpu", 
         bar.update(n)
         yield (x.clamp(-1, 1) if len(sampler.shape) == 3 else x), batch_labels
     bar.close()
+
+
+def evaluate_sampler(evaluator: Evaluator, sampler: Sampler, num: int, progress: bool = False, device="cpu",
+                     seed: int | None = None, clock: dict | None = None) -> dict:
+    """`num` samples of `sampler` scored by `evaluator`: a text-conditioned model's drawn for the evaluator's
+    prompts, so that prompt following is measured too; `clock` (given) gets the seconds spent sampling."""
+    text = sampler.cfg.model.condition == "text"
+    prompts = evaluator.prompts(num) if text else None
+    batches = generated(sampler, num, progress, device, seed, prompts)
+    return evaluator(batches if clock is None else timed(batches, clock), sampler.denoiser, prompts=prompts)
 
 
 def timed(batches, clock: dict):
@@ -242,7 +307,7 @@ def evaluate_target(target: Path, num: int | None = None, steps: int | None = No
         sampler = open_run(run, {"steps": steps, "batch_size": batch_size})
         num = eval_cfg.num
         clock = {}
-        result = evaluator(timed(generated(sampler, num, progress), clock), sampler.denoiser)
+        result = evaluate_sampler(evaluator, sampler, num, progress, clock=clock)
         result["seconds_per_sample"] = clock["seconds"] / num
         key = entry_key(f"images={int(latest_checkpoint(run).name)}", evaluator, num, sampler.opts)
         out = run / "metrics.json"
