@@ -5,6 +5,7 @@ import hashlib
 import json
 import shutil
 import socket
+import string
 
 import numpy as np
 import pytest
@@ -25,16 +26,23 @@ CAPTIONS = ["a red apple", "grinning face with big eyes", "a racing car on a wet
             " ".join(["a very long caption"] * 20)]  # longer than the 32 positions: truncated as CLIP's would be
 
 
-def tiny_clip(folder, preprocessor: bool = True):
-    """A tiny random CLIPModel saved as transformers saves one, with the bundled MiniLM's BERT tokenizer (CLIP's
-    vocabulary size, padding and end-of-text ids set to fit it) and a preprocessor config."""
+def tiny_clip(folder, tokenizer: str = "bert", preprocessor: bool = True):
+    """A tiny random CLIPModel saved as transformers saves one, with a preprocessor config and a tokenizer: the
+    bundled MiniLM's BERT tokenizer, or CLIP's own BPE tokenizer on a vocabulary of letters (which pads with its
+    end-of-text token, as OpenAI's does); the text tower's vocabulary size and special ids set to fit it."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        shutil.copy(minilm_folder() / name, folder / name)
+    if tokenizer == "bert":
+        for name in TOKENIZER_FILES:
+            shutil.copy(minilm_folder() / name, folder / name)
+        ids = dict(vocab_size=30522, pad_token_id=0, bos_token_id=101, eos_token_id=102)
+    else:
+        letters = list(string.ascii_lowercase)
+        vocab = ["<|startoftext|>", "<|endoftext|>", *letters, *(c + "</w>" for c in letters)]
+        transformers.CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=[]).save_pretrained(folder)
+        ids = dict(vocab_size=len(vocab), pad_token_id=1, bos_token_id=0, eos_token_id=1)
     tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
     config = transformers.CLIPConfig(
-        text_config=tower | dict(vocab_size=30522, max_position_embeddings=32, pad_token_id=0, bos_token_id=101,
-                                 eos_token_id=102),
+        text_config=tower | ids | dict(max_position_embeddings=32),
         vision_config=tower | dict(image_size=16, patch_size=8), projection_dim=16)
     torch.manual_seed(0)
     transformers.CLIPModel(config).save_pretrained(folder, safe_serialization=True)
@@ -50,8 +58,8 @@ def folder(tmp_path_factory):
     return tiny_clip(tmp_path_factory.mktemp("clip") / "clip")
 
 
-@pytest.fixture(scope="module")
 def reference(folder):
+    """transformers' own CLIPModel and tokenizer, loaded from the folder as its documentation loads them."""
     model = transformers.CLIPModel.from_pretrained(folder, local_files_only=True).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model, tokenizer
@@ -83,16 +91,21 @@ def no_network(patch):
     patch.setattr(socket, "create_connection", refuse)
 
 
-def test_the_judge_loads_offline_and_embeds_as_clip_does(folder, reference, monkeypatch):
+@pytest.mark.parametrize("tokenizer", ["bert", "clip"])
+def test_the_judge_loads_offline_and_embeds_as_clip_does(folder, tmp_path, monkeypatch, tokenizer):
+    if tokenizer == "clip":
+        folder = tiny_clip(tmp_path / "clip", tokenizer="clip")
+    model, tokenizer = reference(folder)
+    eos = model.config.text_config.eos_token_id
+    # CLIP pools at the first end-of-text token: each caption keeps its own, the long one's truncated in
+    assert all(tokenizer(c, truncation=True, max_length=32)["input_ids"][-1] == eos for c in CAPTIONS)
     no_network(monkeypatch)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    assert tokenizer("a red apple")["input_ids"][-1] == 102  # CLIP pools at the end-of-text id its config names
+    assert type(transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)) is type(tokenizer)
     monkeypatch.setattr(clip_judge, "BATCH", 2)  # several batches, captions padded to different lengths
     judge = load_clip_judge(folder)
     sha256 = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
     assert judge.sha256 == sha256 and sha256[:16] in judge.name and judge.clip_score
 
-    model, tokenizer = reference
     rng = np.random.default_rng(0)
     for shape in ((5, 3, 8, 8), (3, 3, 8, 12), (2, 3, 41, 23)):  # up; up, not square (centre crop); down
         images = rng.uniform(-1, 1, shape).astype(np.float32)
@@ -130,9 +143,9 @@ def test_pixels_are_what_transformers_clip_image_processor_makes(folder, tmp_pat
             assert torch.allclose(judge.pixels(x), expected, atol=1.5 / 255 / min(std or processor.image_std))
 
 
-def test_the_clip_score_is_a_hundred_times_the_mean_clipped_cosine_of_each_image_with_its_prompt(folder, reference):
+def test_the_clip_score_is_a_hundred_times_the_mean_clipped_cosine_of_each_image_with_its_prompt(folder):
     judge = load_clip_judge(folder)
-    model, tokenizer = reference
+    model, tokenizer = reference(folder)
     rng = np.random.default_rng(2)
     images = rng.uniform(-1, 1, (6, 3, 8, 8)).astype(np.float32)
     prompts = [CAPTIONS[i % 2] for i in range(6)]
