@@ -8,7 +8,8 @@ it); the weights in safetensors only, never a pickle; the bytes hashed are the b
 reads a private copy (`local_files_only`, no remote code). The model class comes from a short list (`config.json`'s
 `architectures`), never from code in the folder; a pooling the encoder does not implement, and weights that leave
 parameters uninitialised or do not fit, are refused instead of loaded half random. A run records the weights'
-`sha256` and passes it back on every load, so a file changed under the run stops it.
+`sha256` and passes it back on every load, so a file changed under the run stops it. `check_folder` and `load_model`
+are that discipline for any `transformers` folder: eval/clip_judge.py reads a CLIP model's with them.
 """
 
 import contextlib
@@ -16,6 +17,8 @@ import hashlib
 import importlib.util
 import json
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -130,22 +133,58 @@ def _copy_hashed(source: Path, target: Path, digest) -> None:
             write.write(chunk)
 
 
+@dataclass(frozen=True)
+class ModelFolder:
+    """A `transformers` folder checked as far as reading its files goes: its config, the class that config names,
+    and the safetensors files that hold the weights (with the index that names them where they are sharded)."""
+
+    path: Path
+    config: dict
+    architecture: str
+    weights: dict[str, Path]
+    index: dict | None
+
+    @property
+    def what(self) -> str:
+        return next(iter(self.weights)) if self.index is None else f"the {len(self.weights)} files of {INDEX}"
+
+    def read(self, name: str):
+        """The folder's JSON file `name`, None where it is absent; refused if it leads out of the folder."""
+        return _json(self.path, name, required=False)
+
+
+def check_folder(folder: str | Path, architecture: Callable[[Path, dict], str] = _architecture) -> ModelFolder:
+    """`folder` checked before anything is loaded: its config (`architecture` says which class it names, or refuses
+    it), its weights in safetensors and its tokenizer, each a file inside the folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"text encoder folder {folder} does not exist or is not a folder")
+    config = _json(folder, CONFIG)
+    model_class = architecture(folder, config)
+    names, index = _weight_files(folder)
+    weights = {name: _inside(folder, name) for name in names}
+    if not any(_inside(folder, name, required=False) for name in VOCABULARIES):
+        raise DataError(f"text encoder folder {folder} has no tokenizer (none of {', '.join(VOCABULARIES)})")
+    return ModelFolder(folder, config, model_class, weights, index)
+
+
 def load_text_encoder(folder: str | Path, sha256: str | None = None, device="cpu", *,
                       pinned: str | None = None) -> TransformersTextEncoder:
     """The text encoder in `folder`; with `sha256` (what the run recorded) refused unless its weights still hash to
     it; `pinned` names the model whose weights `sha256` pins. Its `sha256` says what was loaded, for the run to
     record: that of `model.safetensors`, or of a sharded model's files one after the other in name order."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise DataError(f"text encoder folder {folder} does not exist or is not a folder")
-    config = _json(folder, CONFIG)
-    architecture = _architecture(folder, config)
-    names, index = _weight_files(folder)
-    weights = {name: _inside(folder, name) for name in names}
-    what = names[0] if index is None else f"the {len(names)} files of {INDEX}"
-    if not any(_inside(folder, name, required=False) for name in VOCABULARIES):
-        raise DataError(f"text encoder folder {folder} has no tokenizer (none of {', '.join(VOCABULARIES)})")
-    pooling, normalize, max_tokens, lowercase = _pooling(folder, architecture)
+    checked = check_folder(folder)
+    pooling, normalize, max_tokens, lowercase = _pooling(checked.path, checked.architecture)
+    model, tokenizer, digest = load_model(checked, sha256, pinned=pinned)
+    max_tokens = max_tokens or token_limit(checked.path, checked.config, tokenizer)
+    return TransformersTextEncoder(model, tokenizer, pooling=pooling, normalize=normalize, max_tokens=max_tokens,
+                                   lowercase=lowercase, sha256=digest, device=device)
+
+
+def load_model(checked: ModelFolder, sha256: str | None = None, *, pinned: str | None = None):
+    """(model, tokenizer, the weights' sha256) of a checked folder, loaded offline from a private copy of its files;
+    with `sha256`, refused unless the weights hash to it (`pinned` names the model it pins)."""
+    folder, what = checked.path, checked.what
     try:
         import transformers
     except ImportError:
@@ -156,40 +195,39 @@ def load_text_encoder(folder: str | Path, sha256: str | None = None, device="cpu
     with (tempfile.TemporaryDirectory(prefix="islands-text-") as private, _quiet(transformers.utils.logging),
           torch.random.fork_rng(devices=[])):
         digest = hashlib.sha256()
-        for name, path in weights.items():
+        for name, path in checked.weights.items():
             _copy_hashed(path, Path(private) / name, digest)
         digest = digest.hexdigest()
         if sha256 is not None and digest != sha256:
             why = f"is not the pinned {pinned}" if pinned else "changed since the run recorded it"
             raise DataError(f"text encoder folder {folder}: {what} {why} (sha256 {digest[:12]}..., "
                             f"{'pinned' if pinned else 'recorded'} {sha256[:12]}...)")
-        for name, contents in ((CONFIG, config), (INDEX, index)):
+        for name, contents in ((CONFIG, checked.config), (INDEX, checked.index)):
             if contents is not None:
                 (Path(private) / name).write_text(json.dumps(contents))
         for name in TOKENIZER_FILES:
             if (path := _inside(folder, name, required=False)) is not None:
                 (Path(private) / name).write_bytes(path.read_bytes())
         try:
-            model, info = getattr(transformers, architecture).from_pretrained(
+            model, info = getattr(transformers, checked.architecture).from_pretrained(
                 private, local_files_only=True, use_safetensors=True, trust_remote_code=False,
                 ignore_mismatched_sizes=True, output_loading_info=True)  # mismatches are refused below, by name
             tokenizer = transformers.AutoTokenizer.from_pretrained(private, local_files_only=True,
                                                                    trust_remote_code=False)
         except (ValueError, TypeError, KeyError, RuntimeError, OSError, AttributeError) as err:
             reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise DataError(f"text encoder folder {folder} cannot be loaded as a {architecture}: {reason}") from None
+            raise DataError(f"text encoder folder {folder} cannot be loaded as a {checked.architecture}: "
+                            f"{reason}") from None
     wrong = {k: v for k in ("missing_keys", "mismatched_keys", "unexpected_keys") if (v := info.get(k))}
     if wrong:
         kind, keys = next(iter(wrong.items()))
         keys = sorted(str(k[0] if isinstance(k, tuple) else k) for k in keys)  # a mismatch: (name, shapes)
         raise DataError(f"text encoder folder {folder}: {what} does not fit its {CONFIG} "
                         f"({kind.replace('_', ' ')}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})")
-    max_tokens = max_tokens or _max_tokens(folder, config, tokenizer)
-    return TransformersTextEncoder(model, tokenizer, pooling=pooling, normalize=normalize, max_tokens=max_tokens,
-                                   lowercase=lowercase, sha256=digest, device=device)
+    return model, tokenizer, digest
 
 
-def _max_tokens(folder: Path, config: dict, tokenizer) -> int:
+def token_limit(folder: Path, config: dict, tokenizer) -> int:
     """The longest input both the tokenizer and the position embeddings take (T5's relative positions have none)."""
     bounds = [n for n in (getattr(tokenizer, "model_max_length", None), config.get("max_position_embeddings"))
               if isinstance(n, int) and 0 < n < 1_000_000]
