@@ -31,7 +31,16 @@ from islands.ddm.runs import (
     router_dir,
 )
 from islands.ddm.sampling import open_sampler
-from islands.eval.evaluate import Evaluator, build_features, entry_key, format_table, generated, record, timed
+from islands.eval.evaluate import (
+    Evaluator,
+    build_features,
+    entry_key,
+    evaluate_sampler,
+    format_table,
+    generated,
+    record,
+    timed,
+)
 from islands.eval.features import Features, Pixels
 from islands.flow.samplers import evaluations_per_sample
 from islands.generate import open_run
@@ -198,9 +207,10 @@ def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: b
         # before the metrics call the mixture themselves
         sampling["evaluations"], sampling["router"] = mixture.evaluations, mixture.router_evaluations
 
-    batches = generated(sampler, cfg.eval.num, progress, seed=cfg.seed)
+    prompts = evaluator.prompts(cfg.eval.num) if cfg.model.condition == "text" else None
+    batches = generated(sampler, cfg.eval.num, progress, seed=cfg.seed, prompts=prompts)
     # the velocity error needs a field of (x, t); ancestral routing is one only along each sample's own path
-    result = evaluator(counted(batches), None if mixture.routing.needs_assignment else mixture)
+    result = evaluator(counted(batches), None if mixture.routing.needs_assignment else mixture, prompts)
     result["seconds_per_sample"] = sampling["seconds"] / cfg.eval.num
     result["expert_evaluations_per_sample"] = sampling["evaluations"] / cfg.eval.num
     result["router_evaluations_per_sample"] = sampling["router"] / cfg.eval.num
@@ -224,10 +234,10 @@ def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) ->
     source = whole_data(cfg)
     clock, opts = {}, sampler.opts
     evaluator = Evaluator(sampler.space.reference(source), cfg.eval, cfg.seed, progress)
-    monolith = evaluator(timed(generated(sampler, cfg.eval.num, progress, seed=cfg.seed), clock), sampler.denoiser)
+    monolith = evaluate_sampler(evaluator, sampler, cfg.eval.num, progress, seed=cfg.seed, clock=clock)
     monolith["seconds_per_sample"] = clock["seconds"] / cfg.eval.num
     monolith["expert_evaluations_per_sample"] = evaluations_per_sample(
-        cfg.sample.solver, cfg.sample.steps, cfg.sample.guidance if cfg.model.num_classes else 1.0)
+        cfg.sample.solver, cfg.sample.steps, cfg.sample.guidance if cfg.model.condition != "none" else 1.0)
     ensemble = {**ensemble, "training_flops": ensemble_training_flops(cfg)}
     monolith["training_flops"] = training_flops(Path(mono.run_dir))
     subject = f"monolith images={int(latest_checkpoint(Path(mono.run_dir)).name)}"

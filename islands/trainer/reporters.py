@@ -18,7 +18,7 @@ from islands.data import judged_on, streams
 from islands.data.batch import Batch
 from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
 from islands.data.space import PIXELS
-from islands.eval.evaluate import Evaluator, generated
+from islands.eval.evaluate import Evaluator, evaluate_sampler
 from islands.generate import Sampler, run_sample_options
 from islands.images import save_curve, save_grid, save_samples_picture
 from islands.rundir import atomic_write_text
@@ -186,9 +186,8 @@ class Evaluation(Reporter):
             self.evaluator = self.evaluator or Evaluator(p.space.reference(judged_on(p.source)), cfg.eval, cfg.seed,
                                                          device=p.world.device)
             sampler = sampler_of(p, plain)  # on the run's device, as are its samples' noise and labels
-            batches = generated(sampler, cfg.eval.num, device=p.world.device)
-            record.update({k: v for k, v in self.evaluator(batches, sampler.denoiser).items()
-                           if isinstance(v, (int, float))})
+            scored = evaluate_sampler(self.evaluator, sampler, cfg.eval.num, device=p.world.device)
+            record.update({k: v for k, v in scored.items() if isinstance(v, (int, float))})
         self.log.write(record)
 
     def close(self) -> None:
