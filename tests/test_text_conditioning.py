@@ -229,6 +229,36 @@ def test_a_text_ensemble_partitions_its_captions_unless_told_and_its_config_reco
     assert trajectory_changes(written, to_dict(load_config(root.parent / "ddm.yaml"))) == []
 
 
+def test_experts_over_two_ranks_draw_a_prompts_expert_from_the_condition_router(text_ensemble, tmp_path, capsys):
+    """`islands sample ENSEMBLE --prompt ... --distributed` on 2 ranks: each prompt's ancestral expert drawn from the
+    condition router, as one process draws it, so the samples (and the prompts written beside them) are one
+    process's."""
+    from conftest import run_ranks
+
+    from islands.ddm.ensemble import ancestral_clusters, load_condition_prior
+    from islands.ddm.sampling import open_sampler
+
+    root, manifest = text_ensemble
+    apple, face = "red apple, food and drink, food fruit", "grinning face, smileys and emotion, face smiling"
+    sampler = open_sampler(root, routing="ancestral")
+    labels = sampler.prompted([apple, face], 6)
+    # the premise: for these prompts the router and the cluster sizes send some sample to different experts
+    by_router = ancestral_clusters(manifest, sampler.cfg.seed, 0, 6, labels,
+                                   condition_prior=load_condition_prior(root, manifest))
+    assert not torch.equal(by_router, ancestral_clusters(manifest, sampler.cfg.seed, 0, 6, labels))
+    args = ["sample", str(root), "--num", "6", "--routing", "ancestral", "--prompt", apple, "--prompt", face, "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    capsys.readouterr()
+    ranks = run_ranks([*args, "--distributed", "--out", str(tmp_path / "two")])
+    assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
+    one, two = (np.load(tmp_path / name / "samples.npz") for name in ("one", "two"))
+    assert one["x"].shape == two["x"].shape == (6, 3, 8, 8)
+    np.testing.assert_allclose(one["x"], two["x"], rtol=0, atol=1e-5)
+    assert two["prompt"].tolist() == [apple, face] * 3 and "y" not in two
+    assert (tmp_path / "two" / "prompts.txt").read_text() == (tmp_path / "one" / "prompts.txt").read_text()
+    assert "2 ranks:" in ranks[0].stdout
+
+
 def test_the_condition_router_learns_each_captions_cluster_shares():
     """Three captions, each seen 40 times, split over 2 clusters 32:8, 0:40 and 20:20: the maximum-likelihood
     p(cluster | caption) is that hand-built table, and the held-out calibration is reported."""
