@@ -59,7 +59,6 @@ def _sample(args) -> int:
     from islands.ddm.mixture import DEFAULT_ROUTING
     from islands.ddm.sampling import open_sampler
     from islands.flow.samplers import evaluations_per_sample
-    from islands.generate import write_samples
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -77,15 +76,8 @@ def _sample(args) -> int:
     labels = sampler.prompted(prompts, args.num) if prompts else sampler.labels(args.num, args.class_label)
     seed = sampler.cfg.seed if args.seed is None else args.seed
     if args.distributed:  # under torchrun: each rank holds some of the experts, or one range expert
-        return _sample_distributed(args, sampler, seed, labels)
-    x = sampler.generate(args.num, labels, seed, progress=not args.quiet)
-    drawn_for = [prompts[i % len(prompts)] for i in range(args.num)] if prompts else None  # sample i: prompt i mod P
-    for path in write_samples(x, None if prompts else labels, Path(args.out), drawn_for):
-        print(f"wrote {path}")
-    if prompts:
-        written = Path(args.out) / "prompts.txt"
-        written.write_text("".join(f"{prompt}\n" for prompt in drawn_for))
-        print(f"wrote {written}")
+        return _sample_distributed(args, sampler, seed, labels, prompts)
+    _write_samples(sampler.generate(args.num, labels, seed, progress=not args.quiet), labels, prompts, args)
     if sampler.manifest is not None:
         opts = sampler.opts
         one_model = evaluations_per_sample(opts.solver, opts.steps, opts.guidance if labels is not None else 1.0)
@@ -108,9 +100,21 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
-def _sample_distributed(args, sampler, seed, labels) -> int:
-    from islands.ddm.expert_parallel import sample_distributed, sample_range_pipeline
+def _write_samples(x, labels, prompts: list[str], args) -> None:
+    """OUT/samples.npz and its picture; for prompts, sample i's prompt (prompt i mod P) beside it and in prompts.txt."""
     from islands.generate import write_samples
+
+    drawn_for = [prompts[i % len(prompts)] for i in range(args.num)] if prompts else None
+    for path in write_samples(x, None if prompts else labels, Path(args.out), drawn_for):
+        print(f"wrote {path}")
+    if prompts:
+        written = Path(args.out) / "prompts.txt"
+        written.write_text("".join(f"{prompt}\n" for prompt in drawn_for))
+        print(f"wrote {written}")
+
+
+def _sample_distributed(args, sampler, seed, labels, prompts: list[str]) -> int:
+    from islands.ddm.expert_parallel import sample_distributed, sample_range_pipeline
     from islands.parallel.launch import close_world, init_world
 
     world = init_world()
@@ -119,13 +123,11 @@ def _sample_distributed(args, sampler, seed, labels) -> int:
             x, stats = sample_range_pipeline(sampler.denoiser, sampler.shape, args.num, sampler.opts, seed, labels,
                                              world)
         else:
-            x, stats = sample_distributed(sampler.denoiser, sampler.manifest, sampler.shape, args.num, sampler.opts,
-                                          seed, labels, world)
+            x, stats = sample_distributed(sampler, args.num, seed, labels, world)
     finally:
         close_world()
     if world.is_main:
-        for path in write_samples(sampler.space.decode(x), labels, Path(args.out)):
-            print(f"wrote {path}")
+        _write_samples(sampler.space.decode(x), labels, prompts, args)
         evaluations = (f", {stats['expert_evaluations_per_sample']:.1f} expert evaluations per sample"
                        if "expert_evaluations_per_sample" in stats else "")
         print(f"{world.size} ranks: {stats['images_per_s']:.1f} images/s, {stats['bytes_moved'] / 1e6:.2f} MB moved "

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import yaml
 from conftest import emoji_or_skip, write_config
 
 from islands.cli import main
@@ -216,6 +217,48 @@ def test_the_router_of_text_conditioned_experts_reads_the_caption(text_ensemble)
     assert router(x, t, None).shape == router(x, t, apple).shape == (1, 2)
 
 
+def test_a_text_ensemble_partitions_its_captions_unless_told_and_its_config_records_it(text_ensemble):
+    """The fixture names no partition features: on a text run they resolve to text, the ensemble's resolved config
+    says so, and the same config validated again compares equal to it (a rerun is not refused)."""
+    from islands.config import load_config, to_dict, trajectory_changes
+
+    root, _ = text_ensemble
+    written = yaml.safe_load((root / "config.yaml").read_text())
+    assert written["ddm"]["partition"]["features"] == "text"
+    assert json.loads((root / "partition" / "partition.json").read_text())["features_name"] == "text+pca8"
+    assert trajectory_changes(written, to_dict(load_config(root.parent / "ddm.yaml"))) == []
+
+
+def test_experts_over_two_ranks_draw_a_prompts_expert_from_the_condition_router(text_ensemble, tmp_path, capsys):
+    """`islands sample ENSEMBLE --prompt ... --distributed` on 2 ranks: each prompt's ancestral expert drawn from the
+    condition router, as one process draws it, so the samples (and the prompts written beside them) are one
+    process's."""
+    from conftest import run_ranks
+
+    from islands.ddm.ensemble import ancestral_clusters, load_condition_prior
+    from islands.ddm.sampling import open_sampler
+
+    root, manifest = text_ensemble
+    apple, face = "red apple, food and drink, food fruit", "grinning face, smileys and emotion, face smiling"
+    sampler = open_sampler(root, routing="ancestral")
+    labels = sampler.prompted([apple, face], 6)
+    # the premise: for these prompts the router and the cluster sizes send some sample to different experts
+    by_router = ancestral_clusters(manifest, sampler.cfg.seed, 0, 6, labels,
+                                   condition_prior=load_condition_prior(root, manifest))
+    assert not torch.equal(by_router, ancestral_clusters(manifest, sampler.cfg.seed, 0, 6, labels))
+    args = ["sample", str(root), "--num", "6", "--routing", "ancestral", "--prompt", apple, "--prompt", face, "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    capsys.readouterr()
+    ranks = run_ranks([*args, "--distributed", "--out", str(tmp_path / "two")])
+    assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
+    one, two = (np.load(tmp_path / name / "samples.npz") for name in ("one", "two"))
+    assert one["x"].shape == two["x"].shape == (6, 3, 8, 8)
+    np.testing.assert_allclose(one["x"], two["x"], rtol=0, atol=1e-5)
+    assert two["prompt"].tolist() == [apple, face] * 3 and "y" not in two
+    assert (tmp_path / "two" / "prompts.txt").read_text() == (tmp_path / "one" / "prompts.txt").read_text()
+    assert "2 ranks:" in ranks[0].stdout
+
+
 def test_the_condition_router_learns_each_captions_cluster_shares():
     """Three captions, each seen 40 times, split over 2 clusters 32:8, 0:40 and 20:20: the maximum-likelihood
     p(cluster | caption) is that hand-built table, and the held-out calibration is reported."""
@@ -284,6 +327,84 @@ def test_a_partition_by_text_clusters_the_captions_pooled_embeddings(tmp_path):
     assert made.features_name == "text+pca8" and np.array_equal(made.cluster, expected.cluster)
     pixels = partition(source, 2, "kmeans", None, 8, 8, True, seed=1)
     assert not np.array_equal(made.cluster, pixels.cluster)  # not what the images alone give
+
+
+def standardised(block: torch.Tensor, dim: int) -> torch.Tensor:
+    """By hand: a block centred, onto its `dim` leading principal axes (an SVD; where it is no wider, as it is), and
+    scaled to unit total variance."""
+    centred = block.double() - block.double().mean(0)
+    if block.shape[1] > dim:
+        centred = centred @ torch.linalg.svd(centred, full_matrices=False).Vh[:dim].T
+    return (centred / centred.pow(2).sum(1).mean().sqrt()).float()
+
+
+def test_a_partition_on_pixels_and_text_weighs_both_blocks_alike():
+    """64 examples whose pixels (48 wide, loud) split them by a and whose captions (4 wide, quiet) by b: clustered
+    together, each block standardised, the 4 clusters are the 4 (a, b) pairs, exactly k-means on the concatenation
+    standardised by hand; joined raw, the pixels' noise drowns the captions' split."""
+    from islands.data.sources import _ArraySource
+    from islands.ddm.partition import partition
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.arange(64) % 2, torch.arange(64) // 2 % 2
+    pixels = torch.randn(64, 48, generator=gen)
+    pixels[:, 0] += 3.0 * (2 * a - 1)
+    captions = 0.01 * torch.randn(64, 4, generator=gen)
+    captions[:, 0] += 0.1 * (2 * b - 1)
+    source = _ArraySource(torch.cat([pixels, captions], 1), None, 0)
+    both = partition(source, 4, "kmeans", None, 8, 16, True, seed=3, blocks=(48, 4))
+    pair = (2 * a + b).numpy()
+    assert all(len(set(pair[both.cluster == c])) == 1 for c in range(4))  # each cluster one (a, b) pair
+    assert both.features_name == "pixels+pca8+standardised" and both.sizes == [16] * 4
+    by_hand = _ArraySource(torch.cat([standardised(pixels, 8), standardised(captions, 8)], 1), None, 0)
+    expected = partition(by_hand, 4, "kmeans", None, None, 16, True, seed=3)
+    assert np.array_equal(both.cluster, expected.cluster)
+    raw = partition(source, 4, "kmeans", None, None, 16, True, seed=3)
+    assert not all(len(set(pair[raw.cluster == c])) == 1 for c in range(4))
+
+
+def test_features_both_clusters_pixels_beside_captions_and_text_runs_default_to_text(tmp_path):
+    """`ddm.partition.features: both` through `islands partition`: the emoji's pixels and their captions' pooled
+    MiniLM embeddings, each PCA-reduced and standardised by hand, clustered together; a text run that names no
+    features resolves them to text (and says so in its resolved config), an explicit choice stays."""
+    emoji_or_skip()
+    from islands.config import load_config
+    from islands.data import build_data
+    from islands.data.sources import _ArraySource
+    from islands.ddm.partition import Partition, partition
+    from islands.nets.text_folder import bundled_text_encoder
+    from islands.train.captions import encode_captions
+
+    raw = emoji_run(tmp_path / "ens")
+    raw["data"]["limit"] = 64
+    raw["ddm"] = {"k": 2, "partition": {"method": "kmeans", "pca_dim": 8, "fine": 8}}
+    assert validate(raw).ddm.partition.features == "text"  # unset on a text run: what the captions say
+    raw["ddm"]["partition"]["features"] = "pixels"
+    assert validate(raw).ddm.partition.features == "pixels"
+    raw["ddm"]["partition"]["features"] = "both"
+    config = write_config(tmp_path / "c.yaml", raw)
+    assert main(["partition", config, "--quiet"]) == 0
+    made = Partition.load(tmp_path / "ens" / "partition")
+    source = build_data(load_config(config).data, 1)
+    pixels = source.get(np.arange(64))[0].flatten(1)
+    pooled = encode_captions(bundled_text_encoder(), source.captions(range(64)), 16)[:, 0, :384]
+    by_hand = _ArraySource(torch.cat([standardised(pixels, 8), standardised(pooled, 8)], 1), None, 0)
+    expected = partition(source, 2, "kmeans", None, None, 8, True, seed=1, seen=by_hand)
+    assert np.array_equal(made.cluster, expected.cluster)
+    assert made.features_name == "pixels+text+pca8+standardised"
+
+
+def test_features_of_captions_on_a_run_without_text_are_refused(tmp_path, image_npz, capsys):
+    from conftest import tiny_unet_config
+
+    cfg = tiny_unet_config(tmp_path / "ens", image_npz, ddm={"k": 2, "partition": {"features": "both"}})
+    assert validate(cfg).model.condition == "class"
+    assert main(["partition", write_config(tmp_path / "c.yaml", cfg), "--quiet"]) == 2
+    assert capsys.readouterr().err.strip() == ("islands: config error: ddm.partition.features: both clusters "
+                                               "captions; model.condition is 'class', not text")
+    cfg["ddm"]["partition"].pop("features")
+    assert validate(cfg).ddm.partition.features == "pixels"  # no captions: the default stays pixels
+    assert not (tmp_path / "ens" / "partition" / "partition.json").exists()
 
 
 def colour_squares():

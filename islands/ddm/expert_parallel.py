@@ -18,13 +18,12 @@ import torch
 from torch import Tensor, nn
 
 from islands.data import streams
-from islands.ddm.ensemble import ancestral_assignment
 from islands.ddm.mixture import Mixture, MixtureView
 from islands.ddm.time_gate import TimeGate
 from islands.errors import ConfigError
 from islands.flow.denoiser import broadcast
 from islands.flow.samplers import euler, guided, heun, solver_grid
-from islands.generate import generate, sampling_precision
+from islands.generate import Sampler, generate, sampling_precision
 from islands.parallel.expert_parallel import exchange, receive_from, send_to
 from islands.parallel.launch import World
 from islands.parallel.ledger import Ledger
@@ -86,21 +85,22 @@ class ExpertParallelMixture(nn.Module):
         return out
 
 
-def sample_distributed(mixture: Mixture, manifest: dict, shape: tuple, num: int, opts, seed: int,
-                       labels: Tensor | None, world: World) -> tuple[Tensor | None, dict]:
-    """`num` samples of the ensemble, the experts spread over the ranks: every rank draws the same number of
-    samples (the last ones beyond `num` are drawn and dropped, so that all ranks take part in every exchange), with
-    the noise and ancestral experts of their own indices, as single-process sampling does. -> (the samples on rank
-    0, None elsewhere; {images_per_s, bytes_moved, expert_evaluations_per_sample} over all ranks)."""
+def sample_distributed(sampler: Sampler, num: int, seed: int, labels: Tensor | None,
+                       world: World) -> tuple[Tensor | None, dict]:
+    """`num` samples of the ensemble `sampler` opened, the experts spread over the ranks: every rank draws the same
+    number of samples (the last ones beyond `num` are drawn and dropped, so that all ranks take part in every
+    exchange), with the noise and ancestral experts of their own indices, drawn as single-process sampling draws
+    them (the sampler's own assignment: a prompt's expert from the condition router). -> (the samples on rank 0,
+    None elsewhere; {images_per_s, bytes_moved, expert_evaluations_per_sample} over all ranks)."""
     per = math.ceil(num / world.size)
     first = world.rank * per
-    # the padding's labels repeat the first ones; its samples are dropped
-    mine = None if labels is None else labels.repeat(world.size)[first:first + per]
-    parallel = ExpertParallelMixture(mixture, world)
+    # the padding's conditions (a class, or a packed caption) repeat the first ones; its samples are dropped
+    mine = None if labels is None else labels.repeat(world.size, *[1] * (labels.dim() - 1))[first:first + per]
+    parallel = ExpertParallelMixture(sampler.denoiser, world)
     world.barrier()
     start = time.perf_counter()
-    x = generate(parallel, shape, per, opts, seed, mine, first=first,
-                 for_batch=ancestral_assignment(mixture, manifest, seed, drawn_by=parallel))
+    x = generate(parallel, sampler.shape, per, sampler.opts, seed, mine, first=first,
+                 for_batch=sampler.assignment(seed, drawn_by=parallel))
     to_main = [[x if rank == 0 else x[:0]] for rank in range(world.size)]
     gathered = exchange(to_main, world)
     seconds = time.perf_counter() - start

@@ -4,8 +4,9 @@ The recipe of McAllister et al. (arXiv 2501.05450, Decentralized Diffusion Model
 use DINOv2 features), run k-means into 1024 fine centroids, then cluster those centroids (weighted by how many
 examples each holds) into K coarse clusters with balanced k-means, so that the experts see similar amounts of
 data; an example belongs to the coarse cluster of its fine centroid. Here the features are any `Features`
-(`Pixels` by default), optionally reduced by PCA first. Two baselines sit beside it: a seeded random split and
-the oracle split by class label.
+(`Pixels` by default), optionally reduced by PCA first; several blocks of them side by side (pixels beside caption
+embeddings) are reduced and standardised each on its own (`Reduction`). Two baselines sit beside it: a seeded random
+split and the oracle split by class label.
 
 Data whose features do not fit in memory (more than `sample` examples): two-stage on a sample. The PCA and the
 fine centroids are fitted on a seeded sample of `sample` examples; then one streaming pass over the data, in
@@ -18,6 +19,7 @@ back with allow_pickle=False.
 """
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -202,6 +204,42 @@ def project(x: torch.Tensor, mean: torch.Tensor, axes: torch.Tensor) -> torch.Te
     return torch.cat([(x[lo:lo + READ_BATCH].double() - mean) @ axes for lo in range(0, len(x), READ_BATCH)]).float()
 
 
+class Reduction:
+    """What k-means clusters, fitted on features z [N, D] and applied to any chunk of them.
+
+    One block (blocks None): z's PCA to `pca_dim` where z is wider, else z as it is. Several blocks side by side
+    (widths `blocks`: image features beside caption embeddings) are each reduced the same way, centred, and scaled to
+    unit total variance before they are joined. k-means weighs each coordinate by its share of the squared distance,
+    so joined raw, the wider or louder block (3,072 pixels against 384 caption dimensions, of other scales) would
+    decide the clusters alone; at unit total variance each block adds the same expected squared distance between two
+    examples, so they count equally. Not whitened: unit variance on every axis would give the noise of a block's
+    last axes the weight of its leading ones."""
+
+    def __init__(self, z: torch.Tensor, pca_dim: int | None, blocks: tuple[int, ...] | None = None):
+        self.parts, reduced = None, False  # (columns, mean, axes) of each block; None: z as it is
+        if blocks is None and pca_dim and z.shape[1] > pca_dim:
+            self.parts, reduced = [(slice(None), *pca_axes(z, pca_dim))], True
+        elif blocks is not None:
+            if sum(blocks) != z.shape[1]:
+                raise ValueError(f"blocks {blocks} do not add up to the features' width {z.shape[1]}")
+            self.parts, edges = [], np.cumsum([0, *blocks]).tolist()
+            for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+                block = z[:, lo:hi]
+                if pca_dim and hi - lo > pca_dim:
+                    mean, axes = pca_axes(block, pca_dim)
+                    reduced = True
+                else:
+                    mean, axes = block.double().mean(0), torch.eye(hi - lo, dtype=torch.float64)
+                total = float(project(block, mean, axes).double().pow(2).sum()) / len(block)  # its total variance
+                self.parts.append((slice(lo, hi), mean, axes / math.sqrt(total) if total > 0 else axes))
+        self.suffix = (f"+pca{pca_dim}" if reduced else "") + ("+standardised" if blocks is not None else "")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts is None:
+            return x
+        return torch.cat([project(x[:, columns], mean, axes) for columns, mean, axes in self.parts], 1)
+
+
 # --- the partition ------------------------------------------------------------------------------------------------
 
 def _empty(dtype, ndim: int) -> np.ndarray:
@@ -298,7 +336,8 @@ def _deal_classes(labels: np.ndarray, k: int) -> np.ndarray:
 
 def partition(source: Source, k: int, method: str = "kmeans", features: Features | None = None,
               pca_dim: int | None = 64, fine: int = 1024, balanced: bool = True, seed: int = 0,
-              progress: bool = False, sample: int = 65_536, seen: Source | None = None) -> Partition:
+              progress: bool = False, sample: int = 65_536, seen: Source | None = None,
+              blocks: tuple[int, ...] | None = None) -> Partition:
     """Split `source` into k clusters.
 
     kmeans: features (default `Pixels()`), PCA to pca_dim when they are wider, k-means into min(fine, N) fine
@@ -306,7 +345,8 @@ def partition(source: Source, k: int, method: str = "kmeans", features: Features
     Beyond `sample` examples, PCA and fine centroids are fitted on a seeded sample of that many and every example
     is assigned to its nearest fine centroid in one streaming pass (the module's docstring). `seen` (the same
     examples in the same order, another view of them: their captions' embeddings) is what the features are computed
-    from, where given; the partition records `source`'s fingerprint.
+    from, where given; the partition records `source`'s fingerprint. `blocks`: the widths of the feature blocks side
+    by side (image features, caption embeddings), each reduced and standardised on its own (`Reduction`).
     random: a seeded shuffle dealt round-robin, so sizes differ by at most 1. label: whole classes dealt to clusters,
     largest first to the least-loaded one.
     """
@@ -351,14 +391,12 @@ def partition(source: Source, k: int, method: str = "kmeans", features: Features
         z = torch.cat(list(_feature_chunks(features, seen, fitted_on, progress)))
     else:
         z = features.of_source(seen, progress=progress).float()
-    name, axes = features.name, None
-    if pca_dim and z.shape[1] > pca_dim:
-        axes, name = pca_axes(z, pca_dim), f"{name}+pca{pca_dim}"
-        z = project(z, *axes)
+    reduce = Reduction(z, pca_dim, blocks)
+    name, z = features.name + reduce.suffix, reduce(z)
     fine_centroids, fine_assignment = kmeans(z, min(fine, len(z)), seed, progress=progress)
     if sampled:  # the whole data, in one streaming pass: each example to its nearest fine centroid
         del z
-        fine_assignment = torch.cat([_nearest(project(chunk, *axes) if axes else chunk, fine_centroids)
+        fine_assignment = torch.cat([_nearest(reduce(chunk), fine_centroids)
                                      for chunk in _feature_chunks(features, seen, np.arange(n), progress)])
         used = torch.unique(fine_assignment)  # sorted; a centroid of the sample may be no example's nearest
         fine_centroids, fine_assignment = fine_centroids[used], torch.searchsorted(used, fine_assignment)

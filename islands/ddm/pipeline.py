@@ -74,18 +74,21 @@ def run_partition(cfg: Config, progress: bool = True) -> Partition:
     # other features are of images (stored latents' means decoded, as metrics see them).
     space = open_data_space(cfg, out)
     images = space.reference(source)
-    features, seen = SeenThrough(Pixels(), space.examples_of), None
-    if p.method == "kmeans" and p.features == "text":  # what the captions say, not what the images show
+    features, seen, blocks = SeenThrough(Pixels(), space.examples_of), None, None
+    if p.method == "kmeans" and p.features in ("text", "both"):  # what the captions say (and the images show)
         if cfg.model.condition != "text":
-            raise ConfigError(f"ddm.partition.features: text clusters captions; model.condition is "
+            raise ConfigError(f"ddm.partition.features: {p.features} clusters captions; model.condition is "
                               f"{cfg.model.condition!r}, not text")
         seen = PooledCaptions(condition_on_captions(cfg, out, source), cfg.model.text_pooled_width)
         features = CaptionVectors()
+        if p.features == "both":
+            seen = PixelsBesideCaptions(source, space.examples_of, seen)
+            features, blocks = PixelsAndText(), seen.blocks
     elif p.method == "kmeans" and p.features != "pixels":
         built = build_features(revalidate(cfg.eval, "eval", features=p.features), images, cfg.seed, progress)
         features = SeenThrough(built, space.images_of)
     made = partition(source, cfg.ddm.k, p.method, features, p.pca_dim, p.fine, p.balanced, cfg.seed, progress,
-                     seen=seen)
+                     seen=seen, blocks=blocks)
     made.save(out)
     save_cluster_picture(made, images, out / "clusters.png")
     return made
@@ -109,6 +112,30 @@ class PooledCaptions(Source):
 
     def get(self, indices):
         return self.source.conditions(indices)[:, 0, :self.shape[0]], None
+
+
+class PixelsAndText(Pixels):
+    """Pixels and the caption's pooled embedding side by side, as `PixelsBesideCaptions` gives them."""
+
+    name = "pixels+text"
+
+
+class PixelsBesideCaptions(Source):
+    """Each example as its pixels (what the source holds through `view`: stored latents' means) flattened, then its
+    caption's pooled embedding (`ddm.partition.features: both`); `blocks` are the two widths, which the partition
+    standardises each on its own."""
+
+    def __init__(self, source: Source, view, captions: PooledCaptions):
+        self.source, self.view, self.captions, self.num_classes = source, view, captions, 0
+        self.blocks = (math.prod(view(source.get([0])[0]).shape[1:]), captions.shape[0])
+        self.shape = (sum(self.blocks),)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def get(self, indices):
+        pixels = self.view(self.source.get(indices)[0]).flatten(1).float()
+        return torch.cat([pixels, self.captions.get(indices)[0].float()], 1), None
 
 
 class SeenThrough(Features):
