@@ -79,8 +79,9 @@ def test_the_contrastive_judge_learns_which_caption_goes_with_which_image():
 
     gen = torch.Generator().manual_seed(0)
     rgb = torch.rand(96, 3, generator=gen)
-    names = [f"colour {i}: {'red' if r > 0.5 else 'dark'} {'green' if g > 0.5 else 'dim'} {'blue' if b > 0.5 else 'flat'}"
-             for i, (r, g, b) in enumerate(rgb.tolist())]
+    words = [("dark", "red"), ("dim", "green"), ("flat", "blue")]
+    names = [f"colour {i}: " + " ".join(pair[int(v > 0.5)] for pair, v in zip(words, c, strict=True))
+             for i, c in enumerate(rgb.tolist())]
     source = Coloured(names, rgb.tolist())
     judge = load_judge(source, seed=0, epochs=40)
     kept = [i for i in range(len(source)) if not is_held_out(names[i])]
