@@ -24,12 +24,25 @@ to start over).
 import sys
 from pathlib import Path
 
-from benchmarks.common import ensembles_at_equal_flops, setup
+import torch
+
+from benchmarks.common import FIGURES, cached, cpu_seconds, ensembles_at_equal_flops, others_share, save, setup, table
+from islands.ddm.pipeline import ensemble_training_flops, training_flops, whole_data
+from islands.ddm.sampling import open_sampler
+from islands.eval.evaluate import Evaluator, evaluate_sampler, generated
+from islands.flow.samplers import evaluations_per_sample
+from islands.generate import open_run
+from islands.images import save_samples_picture, save_side_by_side
 
 WORK = Path("runs/benchmarks/ddm_text")
 IMAGES, BATCH, K = 65_536, 64, 4
 STEPS, SOLVER, GUIDANCE, NUM = 8, "dpm2m", 2.0, 500
+SEEDS = (0, 1, 2, 3)
+ROUTINGS = ("ancestral", "top1", "topk:2", "full")
+GUIDANCES = (1.0, 2.0, 4.0)
 UNET = dict(arch="unet", channels=32, channel_mult=[1, 2, 2], num_res_blocks=1, attention_resolutions=[8])
+METRICS = ("fd", "kid", "precision", "recall", "prompt_top1", "prompt_top5", "prompt_rank")
+SCORING = 1  # part of every cached evaluation's key: bumped when the scoring changes
 
 
 def config(run_dir: Path, k: int = 0) -> dict:
@@ -55,13 +68,98 @@ def train() -> tuple[dict, Path]:
     return ensembles_at_equal_flops(WORK, {f"k{K}": config(WORK / f"k{K}", K)}, config(WORK / "monolith"))
 
 
+def options(guidance: float = GUIDANCE) -> dict:
+    return {"steps": STEPS, "solver": SOLVER, "guidance": guidance, "batch_size": 250, "precision": "bf16"}
+
+
+def scored(key: str, sampler, evaluator: Evaluator, seed: int) -> dict:
+    """NUM samples of `sampler` for the evaluator's held-out prompts, scored, with seconds and network evaluations
+    per sample (and the share of the CPUs other processes took meanwhile); cached under `key`."""
+    def evaluate():
+        clock, mixture = {}, sampler.denoiser
+        counted = hasattr(mixture, "reset_counts")  # an ensemble counts its experts' and router's calls
+        if counted:
+            mixture.reset_counts()
+        since = cpu_seconds()
+        result = evaluate_sampler(evaluator, sampler, NUM, seed=seed, clock=clock)
+        result["seconds_per_sample"], result["others_cpu_share"] = clock["seconds"] / NUM, others_share(since)
+        result["expert_evaluations_per_sample"] = (mixture.evaluations / NUM if counted else evaluations_per_sample(
+            SOLVER, STEPS, sampler.opts.guidance))
+        result["router_evaluations_per_sample"] = mixture.router_evaluations / NUM if counted else 0
+        return result
+    return cached(WORK / "evaluations.json", f"{key} seed={seed} num={NUM} scoring={SCORING}", evaluate)
+
+
+def mean_std(values: list[float]) -> str:
+    v = torch.tensor(values, dtype=torch.float64)
+    return f"{v.mean():.3f} +- {v.std():.3f}"
+
+
+def grids(cfg, mono_dir: Path, evaluator: Evaluator) -> Path:
+    """The first 16 held-out prompts drawn by the monolith and the ensemble under each policy (the same noise),
+    beside the real images of those prompts."""
+    prompts = evaluator.prompts(16)
+    where = {c: i for i, c in enumerate(evaluator.source.captions(range(len(evaluator.source))))}
+    pictures = {"real images": save_samples_picture(evaluator.source.get([where[p] for p in prompts])[0],
+                                                    WORK / "real.png", captions=prompts)}
+    samplers = {"monolith": open_run(mono_dir, options())}
+    samplers.update({f"K = {K}, {r}": open_sampler(Path(cfg.run_dir), options(), routing=r, seed=0) for r in ROUTINGS})
+    for name, sampler in samplers.items():
+        x = next(generated(sampler, 16, seed=0, prompts=prompts))[0]
+        pictures[name] = save_samples_picture(x, WORK / f"{name.replace(' ', '').replace(',', '-')}.png",
+                                              captions=prompts)
+    return save_side_by_side(pictures, FIGURES / "ddm_text.png", "the same held-out prompts and noise; guidance "
+                             f"{GUIDANCE}, {SOLVER} {STEPS} steps")
+
+
 def run() -> dict:
     setup()
-    train()
-    return {}
+    built, mono_dir = train()
+    cfg = built[f"k{K}"]
+    evaluator = Evaluator(whole_data(cfg), cfg.eval, cfg.seed, progress=True)
+    prompts = evaluator.prompts(NUM)
+    where = {c: i for i, c in enumerate(evaluator.source.captions(range(len(evaluator.source))))}
+    real = cached(WORK / "evaluations.json", f"real num={NUM} scoring={SCORING}",
+                  lambda: evaluator([(evaluator.source.get([where[p] for p in prompts])[0], None)], prompts=prompts))
+    found = {"real held-out images": {"seeds": [real]}}
+    found["monolith"] = {"seeds": [scored("monolith", open_run(mono_dir, options()), evaluator, s) for s in SEEDS]}
+    for routing in ROUTINGS:
+        found[f"K = {K}, {routing}"] = {"seeds": [
+            scored(f"k{K} {routing}", open_sampler(Path(cfg.run_dir), options(), routing=routing, seed=s), evaluator, s)
+            for s in SEEDS]}
+    mono_flops = training_flops(mono_dir)
+    rows = []
+    for name, entry in found.items():
+        seeds = entry["seeds"]
+        entry.update({m: [r[m] for r in seeds] for m in METRICS})
+        evals = seeds[0].get("expert_evaluations_per_sample", float("nan"))
+        cost = ensemble_training_flops(cfg) / mono_flops if name.startswith("K =") else 1.0
+        rows.append([name, cost if "real" not in name else float("nan"),
+                     *[mean_std(entry[m]) if len(seeds) > 1 else f"{entry[m][0]:.3f}" for m in METRICS],
+                     evals, 1e3 * sum(r.get("seconds_per_sample", float("nan")) for r in seeds) / len(seeds)])
+    print(table(["model", "train FLOPs vs mono", *METRICS, "network evals/sample", "ms/sample"], rows))
+
+    sweep, sweep_rows = {}, []
+    for g in GUIDANCES:
+        sweep[g] = scored(f"monolith guidance={g}", open_run(mono_dir, options(g)), evaluator, 0)
+        sweep_rows.append([g, sweep[g]["prompt_top1"], sweep[g]["prompt_top5"], sweep[g]["prompt_rank"],
+                           sweep[g]["fd"], 1e3 * sweep[g]["seconds_per_sample"]])
+    sweep_rows.append(["real images", real["prompt_top1"], real["prompt_top5"], real["prompt_rank"], real["fd"],
+                       float("nan")])
+    print(table(["monolith guidance", "prompt top-1", "prompt top-5", "mean rank", "FD", "ms/sample"], sweep_rows))
+    picture = grids(cfg, mono_dir, evaluator)
+    mono_fd = torch.tensor(found["monolith"]["fd"]).mean().item()
+    best = min((n for n in found if n.startswith("K =")), key=lambda n: torch.tensor(found[n]["fd"]).mean().item())
+    summary = {"best_policy": best, "best_fd": torch.tensor(found[best]["fd"]).mean().item(), "monolith_fd": mono_fd,
+               "ensemble_wins_fd": torch.tensor(found[best]["fd"]).mean().item() < mono_fd,
+               "choices": real["prompt_choices"], "judge": real["prompt_judge"]}
+    print(summary)
+    save("ddm_text", {"num": NUM, "seeds": SEEDS, "steps": STEPS, "solver": SOLVER, "guidance": GUIDANCE,
+                      "results": {n: {k: v for k, v in e.items() if k != "seeds"} for n, e in found.items()},
+                      "per_seed": found, "guidance_sweep": sweep, "summary": summary, "picture": str(picture)})
+    return summary
 
 
 if __name__ == "__main__":
-    if "--train" in sys.argv:
-        setup()
-        train()
+    setup()
+    train() if "--train" in sys.argv else run()
