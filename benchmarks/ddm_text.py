@@ -13,7 +13,8 @@ DPM-Solver++(2M), STEPS steps, guidance GUIDANCE; the ensemble under `ancestral`
 prompt's expert once), `top1`, `top2` and `full`. Each is scored with four sampling seeds by FD, KID and
 precision/recall on the judge's image features against the whole set, and by prompt following (the rank of each
 sample's own prompt among all held-out prompts), beside its seconds per sample; real held-out images are the
-ceiling. Then the monolith at guidance 1, 2 and 4: how prompt following moves with guidance.
+ceiling, and the same images each judged against another one's prompt the floor. Then the monolith at guidance
+1, 2 and 4: how prompt following moves with guidance.
 
 The runs live in runs/benchmarks/ddm_text: rerunning continues where an interrupted run stopped (delete the folder
 to start over).
@@ -121,7 +122,12 @@ def run() -> dict:
     where = {c: i for i, c in enumerate(evaluator.source.captions(range(len(evaluator.source))))}
     real = cached(WORK / "evaluations.json", f"real num={NUM} scoring={SCORING}",
                   lambda: evaluator([(evaluator.source.get([where[p] for p in prompts])[0], None)], prompts=prompts))
-    found = {"real held-out images": {"seeds": [real]}}
+    # the floor: the same images, each judged against the next one's prompt
+    mismatched = cached(WORK / "evaluations.json", f"real, prompts shifted num={NUM} scoring={SCORING}",
+                        lambda: evaluator([(evaluator.source.get([where[p] for p in prompts])[0], None)],
+                                          prompts=prompts[1:] + prompts[:1]))
+    found = {"real held-out images": {"seeds": [real]}, "real images, each beside another's prompt":
+             {"seeds": [mismatched]}}
     found["monolith"] = {"seeds": [scored("monolith", open_run(mono_dir, options()), evaluator, s) for s in SEEDS]}
     for routing in ROUTINGS:
         found[f"K = {K}, {routing}"] = {"seeds": [
