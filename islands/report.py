@@ -42,7 +42,7 @@ th { background: #f4f4f4; text-align: left; font-weight: 600; } td.n { text-alig
 th.entry { max-width: 22em; font-weight: 400; font-size: 0.85em; word-break: break-word; }
 .gallery { display: flex; flex-wrap: wrap; gap: 1em; align-items: flex-start; }
 figure { margin: 0 0 1em; } figcaption { font-size: 0.9em; color: #555; max-width: 520px; word-break: break-word; }
-img { max-width: 100%; } img.grid { image-rendering: pixelated; min-width: 160px; max-width: 520px; }
+img { max-width: 100%; } img.grid { image-rendering: pixelated; min-width: 320px; max-width: 520px; }
 pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; font-size: 12px; } summary { cursor: pointer; }
 .wide { overflow-x: auto; }
 """
@@ -102,7 +102,11 @@ class Folder:
         folder = self.path(rel, "dir")
         if folder is None:
             return []
-        found = [e.name for e in os.scandir(folder) if (e.is_dir() if kind == "dir" else e.is_file())]
+        try:
+            found = [e.name for e in os.scandir(folder) if (e.is_dir() if kind == "dir" else e.is_file())]
+        except OSError as err:  # a folder we may not list
+            self.left_out.append(f"{rel}: {err.strerror}")
+            return []
         return sorted(found, key=natural)
 
     def png(self, rel: str | Path) -> str | None:
@@ -115,7 +119,7 @@ class Folder:
                 image.verify()
                 if image.format != "PNG":
                     raise UnidentifiedImageError(f"a {image.format} file")
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
+        except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as err:
             self.left_out.append(f"{rel}: not a PNG picture ({err})")
             return None
         return png_uri(data)
@@ -157,11 +161,13 @@ def numeric(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def table(header: list[str], rows: list[list], entry_header: bool = False) -> str:
-    """Rows of values (numbers right-aligned), every cell escaped; entry_header: long header cells in small type."""
-    head = "".join(f'<th{" class=entry" if entry_header and i else ""}>{esc(h)}</th>' for i, h in enumerate(header))
+def table(header: list[str] | None, rows: list[list], entry_header: bool = False) -> str:
+    """Rows of values (numbers right-aligned) under a header (none: rows of (what, value)), every cell escaped;
+    entry_header: long header cells in small type."""
+    head = "".join(f'<th{" class=entry" if entry_header and i else ""}>{esc(h)}</th>'
+                   for i, h in enumerate(header or []))
     body = "".join("<tr>" + "".join(cell(v) for v in row) + "</tr>" for row in rows)
-    return f'<div class=wide><table><tr>{head}</tr>{body}</table></div>'
+    return f'<div class=wide><table>{f"<tr>{head}</tr>" if head else ""}{body}</table></div>'
 
 
 def cell(value) -> str:
@@ -205,7 +211,7 @@ def is_run(folder: Folder, rel: Path) -> bool:
     return folder.path(rel / CONFIG) is not None and folder.path(rel / MODEL) is not None
 
 
-def find_runs(folder: Folder, rel: Path = Path(), depth: int = 3) -> list[Path]:
+def find_runs(folder: Folder, rel: Path = Path(), depth: int = 4) -> list[Path]:
     """Run directories below root/rel (an ensemble's experts, router, monolith, distilled student; range experts'
     tstages/I), in natural order; checkpoints, logs and pictures are not searched, nor linked folders."""
     found = []
@@ -271,7 +277,7 @@ def describe(folder: Folder, rel: Path) -> list[list]:
 def description(folder: Folder, runs: list[Path], own_run: bool) -> str:
     parts = []
     if own_run:
-        parts.append(table(["", ""], describe(folder, Path())))
+        parts.append(table(None, describe(folder, Path())))
     manifest = folder.json(MANIFEST)
     if isinstance(manifest, dict):
         parts.append(f"<p>An ensemble of {esc(fmt(manifest.get('k')))} experts, partition "
@@ -366,7 +372,7 @@ def condition_router(folder: Folder) -> str:
     scalars = [[k, v] for k, v in calibration.items() if not isinstance(v, list)]
     body = (f"<p>An MLP of width {esc(fmt(found.get('hidden')))} on the pooled caption embedding "
             f"({esc(fmt(found.get('width')))} wide) to {esc(fmt(found.get('clusters')))} clusters, measured on "
-            "held-out examples:</p>") + table(["", ""], scalars)
+            "held-out examples:</p>") + table(None, scalars)
     predicted, empirical = calibration.get("shares_predicted"), calibration.get("shares_empirical")
     if isinstance(predicted, list) and isinstance(empirical, list):
         body += table(["cluster", "predicted share", "held-out share"],
@@ -531,7 +537,8 @@ def guarded(folder: Folder, title: str, render, *args) -> str:
     on the page, not the end of the report."""
     try:
         return render(folder, *args)
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, yaml.YAMLError) as err:
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError,
+            yaml.YAMLError) as err:
         return note(f"{title}: could not be shown ({type(err).__name__}: {err})")
 
 
@@ -568,11 +575,19 @@ def write_report(target: Path, out: Path | None = None) -> Path:
     out = Path(out) if out is not None else Path(target) / REPORT
     if out.is_dir():
         raise ConfigError(f"--out: {out} is a folder; give the path of the page to write")
-    if out.exists():
-        with open(out, "rb") as f:
-            head = f.read(512)
-        if GENERATOR.encode() not in head:
-            raise ConfigError(f"--out: {out} exists and is no report of islands; give another path")
+    if out.exists() and GENERATOR.encode() not in head_of(out):
+        raise ConfigError(f"--out: {out} exists and is no report of islands; give another path")
     page = build_page(Path(target))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write_text(out, page)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return atomic_write_text(out, page)
+    except OSError as err:
+        raise DataError(f"report: cannot write {out}: {err.strerror or err}") from None
+
+
+def head_of(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(512)
+    except OSError as err:
+        raise ConfigError(f"--out: cannot read {path}: {err.strerror or err}") from None

@@ -152,7 +152,7 @@ def test_an_ensemble_report_shows_the_partition_routers_comparison_and_every_run
         assert f"<td>{run}</td>" in text
 
 
-def test_what_the_folder_says_is_escaped_and_no_link_leads_out_of_it(run, tmp_path):
+def test_what_the_folder_says_is_escaped_no_link_leads_out_of_it_and_a_bad_file_is_one_line(run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(run, copy, symlinks=True, ignore=shutil.ignore_patterns("report.html"))
     cfg = yaml.safe_load((copy / "config.yaml").read_text())
@@ -165,6 +165,7 @@ def test_what_the_folder_says_is_escaped_and_no_link_leads_out_of_it(run, tmp_pa
     (copy / "samples" / "999999999999.png").symlink_to(outside)  # would be the newest grid
     (copy / "flops.json").unlink()
     (copy / "flops.json").symlink_to(run / "flops.json")  # the same file, but outside the folder
+    (copy / "communication.json").write_text('{"steps": 12, "bytes_per')  # cut short
     text, page = report(copy)
     assert "<script" not in text.lower() and "<img src=x" not in text
     assert "&lt;script&gt;alert(&#x27;arch&#x27;)&lt;/script&gt;" in text
@@ -175,6 +176,9 @@ def test_what_the_folder_says_is_escaped_and_no_link_leads_out_of_it(run, tmp_pa
     left_out = "Files left out</h2>"
     assert left_out in text and "samples/999999999999.png: it leads out of the folder" in text
     assert "flops.json: it leads out of the folder" in text
+    # a file that does not hold what it should is a line on the page, and the rest of the page is there
+    assert "<p class=note>Communication ledger: could not be shown (JSONDecodeError: " in text
+    assert ">Loss and evaluation curves</h2>" in text
     assert not any(img.size == (40, 40) for img in page.images())
 
 
