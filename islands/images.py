@@ -53,9 +53,10 @@ def _save_figure(fig, path: Path) -> Path:
     return path
 
 
-def curves_png(panels: dict, xlabel: str, columns: int = 3) -> bytes:
+def curves_png(panels: dict, xlabel: str, columns: int = 3, shares: tuple = ()) -> bytes:
     """Small multiples, one panel per name, each holding lines {label: (x, y)} (a legend where there are several); a
-    panel whose values are all positive and span more than a hundredfold is drawn on a log scale. -> PNG bytes."""
+    panel whose values are all positive and span more than a hundredfold is drawn on a log scale, one named in
+    `shares` (an accuracy) from 0 to 1. -> PNG bytes."""
     plt = _pyplot()
     cols = min(columns, len(panels))
     rows = math.ceil(len(panels) / cols)
@@ -66,7 +67,9 @@ def curves_png(panels: dict, xlabel: str, columns: int = 3) -> bytes:
         for label, (x, y) in lines.items():
             ax.plot(x, y, marker="." if len(x) < 30 else None, label=label or None)
         values = [v for _, y in lines.values() for v in y if math.isfinite(v)]
-        if values and min(values) > 0 and max(values) > 100 * min(values):
+        if name in shares:
+            ax.set_ylim(0, 1.02)
+        elif values and min(values) > 0 and max(values) > 100 * min(values):
             ax.set_yscale("log")
         if len(lines) > 1:
             ax.legend(fontsize=7)

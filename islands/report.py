@@ -380,6 +380,20 @@ def condition_router(folder: Folder) -> str:
     return body
 
 
+ACCURACY = "top-1 accuracy"
+CALIBRATION = "against the exact posterior (TV, KL nats, ECE)"
+
+
+def router_panels(found: dict) -> dict:
+    """router_accuracy.json as panels against t: the router's accuracy beside the exact posterior's (the most any
+    router reaches), and the distances between the two."""
+    t = found["t"]
+    lines = {ACCURACY: {"router": "accuracy", "exact posterior": "exact_accuracy"},
+             CALIBRATION: {"tv": "tv", "kl": "kl", "ece": "ece"}}
+    return series_panels({panel: {label: (t, found[key]) for label, key in keys.items()
+                                  if isinstance(found.get(key), list)} for panel, keys in lines.items()})
+
+
 def router_accuracy(folder: Folder, runs: list[Path]) -> str:
     """Each router's accuracy against t and, where it was measured, its calibration against the exact posterior."""
     body = ""
@@ -387,24 +401,15 @@ def router_accuracy(folder: Folder, runs: list[Path]) -> str:
         found = folder.json(rel / "router_accuracy.json")
         if not isinstance(found, dict) or not isinstance(found.get("t"), list):
             continue
-        t = found["t"]
-        accuracy = {name: (t, found[key]) for name, key in (("router", "accuracy"), ("exact posterior",
-                                                                                     "exact_accuracy"))
-                    if isinstance(found.get(key), list)}
-        panels = {"top-1 accuracy": accuracy}
-        calibration = {key: (t, found[key]) for key in ("tv", "kl", "ece") if isinstance(found.get(key), list)}
-        if calibration:
-            panels["against the exact posterior (TV, KL nats, ECE)"] = calibration
-        columns = ["accuracy", "exact_accuracy", "tv", "kl", "ece"]
-        columns = [c for c in columns if isinstance(found.get(c), list)]
-        rows = [[x, *(found[c][i] if i < len(found[c]) else None for c in columns)] for i, x in enumerate(t)]
         body += (f"<h3>{esc(run_name(rel))}</h3><p>after {esc(fmt(found.get('images')))} images; the largest "
                  f"cluster holds {esc(fmt(found.get('majority_cluster_share')))} of the examples (the accuracy of "
                  "always naming it).</p>")
-        panels = series_panels(panels)
+        panels = router_panels(found)
         if panels:
-            body += picture(png_uri(curves_png(panels, "t (0 data, 1 noise)", columns=2)),
+            body += picture(png_uri(curves_png(panels, "t (0 data, 1 noise)", columns=2, shares=(ACCURACY,))),
                             f"{run_name(rel)}: accuracy and calibration against t")
+        columns = [c for c in ("accuracy", "exact_accuracy", "tv", "kl", "ece") if isinstance(found.get(c), list)]
+        rows = [[x, *(found[c][i] if i < len(found[c]) else None for c in columns)] for i, x in enumerate(found["t"])]
         body += details("the numbers by t", table(["t", *columns], rows))
     return body
 

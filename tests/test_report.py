@@ -12,6 +12,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import random_images, run_ranks, tiny_unet_config, write_config
 from PIL import Image
@@ -20,6 +21,7 @@ from test_ddm import tiny_ddm_config
 
 from islands.cli import main
 from islands.config import validate
+from islands.ddm.condition_router import fit_condition_router, save_condition_router
 from islands.ddm.pipeline import monolith_images
 from islands.rundir import latest_checkpoint
 
@@ -150,6 +152,25 @@ def test_an_ensemble_report_shows_the_partition_routers_comparison_and_every_run
     assert f"<td>ensemble: experts and router</td><td></td><td></td><td class=n>{members:.5g}</td>" in text
     for run in ("experts/0", "experts/1", "router", "monolith"):
         assert f"<td>{run}</td>" in text
+
+
+def test_a_text_ensembles_condition_router_shows_its_held_out_calibration(ensemble, tmp_path):
+    """The condition router's file as a text ensemble writes it (fitted here on vectors whose first coordinate's sign
+    is the cluster, in place of pooled captions), beside the ensemble's own."""
+    copy = tmp_path / "ens"
+    shutil.copytree(ensemble, copy, ignore=shutil.ignore_patterns("checkpoints", "tensorboard", "report.html"))
+    pooled = torch.randn(300, 8, generator=torch.Generator().manual_seed(0))
+    router, calibration = fit_condition_router(pooled, (pooled[:, 0] > 0).long(), 2, seed=0, steps=100)
+    save_condition_router(router, copy, calibration)
+    text, page = report(copy)
+    assert_self_contained(text, page)
+    assert ">Condition router</h2>" in text and calibration["accuracy"] > 0.8
+    for name in ("held_out", "log_loss", "prior_log_loss", "accuracy", "ece"):
+        value = calibration[name]
+        assert f"<tr><td>{name}</td><td class=n>{value if isinstance(value, int) else f'{value:.5g}'}</td></tr>" in text
+    for k, (predicted, held_out) in enumerate(zip(calibration["shares_predicted"], calibration["shares_empirical"],
+                                                  strict=True)):
+        assert f"<tr><td class=n>{k}</td><td class=n>{predicted:.5g}</td><td class=n>{held_out:.5g}</td></tr>" in text
 
 
 def test_what_the_folder_says_is_escaped_no_link_leads_out_of_it_and_a_bad_file_is_one_line(run, tmp_path):
