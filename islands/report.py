@@ -233,16 +233,17 @@ def latest_checkpoint(folder: Folder, rel: Path) -> Path | None:
     return rel / "checkpoints" / done[-1] if done else None
 
 
-def parameter_count(folder: Folder, weights: Path) -> int | None:
-    """The tensors' sizes summed from a safetensors file's header (8 bytes of length, then JSON), without reading
-    the weights."""
-    path = folder.path(weights)
+def weights_size(folder: Folder, rel: Path) -> int | None:
+    """The numbers in the run's latest weights (its parameters and buffers), summed from the safetensors file's
+    header (8 bytes of length, then JSON) without reading the weights."""
+    ckpt = latest_checkpoint(folder, rel)
+    path = folder.path(ckpt / "model.safetensors") if ckpt else None
     if path is None:
         return None
     with open(path, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
         if length > LARGEST_FILE:
-            raise ValueError(f"{weights}: a header of {length} bytes is no safetensors header")
+            raise ValueError(f"{path.name}: a header of {length} bytes is no safetensors header")
         header = json.loads(f.read(length))
     return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
 
@@ -263,7 +264,8 @@ def describe(folder: Folder, rel: Path) -> list[list]:
                                 for k in ("model", "data", "flow", "train"))
     strategy = cfg.get("parallel", {}).get("strategy") if isinstance(cfg.get("parallel"), dict) else None
     rows = [["model", "; ".join(f"{k} {fmt(v)}" for k, v in model.items() if v not in (None, [], {}))],
-            ["parameters", parameter_count(folder, ckpt / "model.safetensors") if ckpt else None],
+            ["weights", f"{weights:,} numbers (parameters and buffers)" if (weights := weights_size(folder, rel))
+             else None],
             ["built for", f"examples of shape {fmt(built.get('shape'))}, {fmt(built.get('num_classes'))} classes"],
             ["data", "; ".join(f"{k} {fmt(v)}" for k, v in data.items() if v not in (None, [], {}, False))],
             ["flow", "; ".join(f"{k} {fmt(flow.get(k))}" for k in ("path", "prediction") if k in flow)],
@@ -290,12 +292,11 @@ def description(folder: Folder, runs: list[Path], own_run: bool) -> str:
     if members:
         rows = []
         for rel in members:
-            cfg, ckpt = sections_of(folder, rel), latest_checkpoint(folder, rel)
+            cfg = sections_of(folder, rel)
             model, train = cfg.get("model") or {}, cfg.get("train") or {}
-            rows.append([rel.as_posix(), model.get("arch"), train.get("objective"),
-                         parameter_count(folder, ckpt / "model.safetensors") if ckpt else None,
+            rows.append([rel.as_posix(), model.get("arch"), train.get("objective"), weights_size(folder, rel),
                          trained_images(folder, rel)])
-        parts.append("<h3>Runs in this folder</h3>" + table(["run", "network", "objective", "parameters",
+        parts.append("<h3>Runs in this folder</h3>" + table(["run", "network", "objective", "weights",
                                                                "images trained"], rows))
     parts.append(config_block(folder, Path(), "the config"))
     parts += [config_block(folder, rel, "config of") for rel in members]

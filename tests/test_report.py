@@ -113,7 +113,7 @@ def test_a_run_report_holds_its_description_pictures_curves_metrics_flops_and_le
     assert len(images) == 4, len(images)
     words = " ".join(page.text)
     weights = load_file(latest_checkpoint(run) / "model.safetensors")
-    assert f"{sum(t.numel() for t in weights.values()):,}" in words  # the parameters, read from the header only
+    assert f"{sum(t.numel() for t in weights.values()):,}" in words  # parameters and buffers, read from the header only
     for title in ("Description", "Samples", "Loss and evaluation curves", "Metrics", "FLOP accounting",
                   "Communication ledger"):
         assert f">{title}</h2>" in text
