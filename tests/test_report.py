@@ -238,8 +238,9 @@ def test_the_report_renders_in_headless_chromium(run, ensemble, tmp_path):
     for target in (run, ensemble):
         out, shot = tmp_path / f"{target.name}.html", tmp_path / f"{target.name}.png"
         assert main(["report", str(target), "--out", str(out)]) == 0
-        done = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
-                               "--window-size=1200,2000", f"--user-data-dir={tmp_path / 'profile'}",
+        # as root in a container: no sandbox, and /tmp for shared memory (a container's /dev/shm is often 64 MB)
+        done = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                               f"--screenshot={shot}", "--window-size=1200,2000", f"--user-data-dir={tmp_path / 'p'}",
                                "--enable-logging=stderr", "--v=0", out.as_uri()],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr[-2000:]
