@@ -233,9 +233,9 @@ def chromium_or_skip() -> str:
     pytest.skip("skipped: no chromium")
 
 
-def test_the_report_renders_in_headless_chromium(run, ensemble, tmp_path):
-    chromium = chromium_or_skip()
-    for target in (run, ensemble):
+def test_the_report_renders_in_headless_chromium(request, tmp_path):
+    chromium = chromium_or_skip()  # before the folders are built
+    for target in (request.getfixturevalue("run"), request.getfixturevalue("ensemble")):
         out, shot = tmp_path / f"{target.name}.html", tmp_path / f"{target.name}.png"
         assert main(["report", str(target), "--out", str(out)]) == 0
         # as root in a container: no sandbox, and /tmp for shared memory (a container's /dev/shm is often 64 MB)
