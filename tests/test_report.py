@@ -233,20 +233,33 @@ def chromium_or_skip() -> str:
     pytest.skip("skipped: no chromium")
 
 
+def open_in_chromium(chromium: str, page: Path, shot: Path, profile: Path) -> list[str]:
+    """Load the page in headless Chromium and screenshot it -> the lines its console printed."""
+    # as root in a container: no sandbox, and /tmp for shared memory (a container's /dev/shm is often 64 MB)
+    done = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                           f"--screenshot={shot}", "--window-size=1200,2000", f"--user-data-dir={profile}",
+                           "--enable-logging=stderr", "--v=0", page.as_uri()],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and shot.exists(), done.stderr[-2000:]
+    return [line for line in done.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
+
+
 def test_the_report_renders_in_headless_chromium(request, tmp_path):
     chromium = chromium_or_skip()  # before the folders are built
     for target in (request.getfixturevalue("run"), request.getfixturevalue("ensemble")):
         out, shot = tmp_path / f"{target.name}.html", tmp_path / f"{target.name}.png"
         assert main(["report", str(target), "--out", str(out)]) == 0
-        # as root in a container: no sandbox, and /tmp for shared memory (a container's /dev/shm is often 64 MB)
-        done = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                               f"--screenshot={shot}", "--window-size=1200,2000", f"--user-data-dir={tmp_path / 'p'}",
-                               "--enable-logging=stderr", "--v=0", out.as_uri()],
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr[-2000:]
         # every message the page writes to the console (a script's error, a blocked request, a refused policy)
-        console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
+        console = open_in_chromium(chromium, out, shot, tmp_path / "profile")
         assert console == [], console
         with Image.open(shot) as image:
             colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
         assert image.size == (1200, 2000) and colours is not None and len(colours) > 50  # not one blank colour
+        # the browser decodes every picture: the page's images on a page of our own whose script may say their sizes
+        sources = [attrs["src"] for tag, attrs in Page(out.read_text()).tags if tag == "img"]
+        probe = tmp_path / f"{target.name}-images.html"
+        probe.write_text("".join(f'<img src="{src}">' for src in sources) + "<script>window.onload = () => { for "
+                         "(const img of document.images) console.log(`decoded ${img.naturalWidth}`) }</script>")
+        decoded = [line.split('"decoded ')[1].split('"')[0] for line in
+                   open_in_chromium(chromium, probe, tmp_path / "probe.png", tmp_path / "profile")]
+        assert len(decoded) == len(sources) > 0 and all(int(width) > 10 for width in decoded), decoded
