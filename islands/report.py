@@ -257,7 +257,8 @@ def trained_images(folder: Folder, rel: Path) -> int | None:
 # --- sections ------------------------------------------------------------------------------------------------------
 
 def describe(folder: Folder, rel: Path) -> list[list]:
-    """A run's description as rows (what, value): its network, its size, its data, its training."""
+    """A run's (or an ensemble's) description as rows (what, value): its network, its size, its data, its
+    training."""
     cfg, ckpt = sections_of(folder, rel), latest_checkpoint(folder, rel)
     built = folder.json(rel / MODEL) or {}
     model, data, flow, train = (cfg.get(k) if isinstance(cfg.get(k), dict) else {}
@@ -266,20 +267,21 @@ def describe(folder: Folder, rel: Path) -> list[list]:
     rows = [["model", "; ".join(f"{k} {fmt(v)}" for k, v in model.items() if v not in (None, [], {}))],
             ["weights", f"{weights:,} numbers (parameters and buffers)" if (weights := weights_size(folder, rel))
              else None],
-            ["built for", f"examples of shape {fmt(built.get('shape'))}, {fmt(built.get('num_classes'))} classes"],
+            ["built for", f"examples of shape {fmt(built.get('shape'))}, {fmt(built.get('num_classes'))} classes"
+             if built else None],
             ["data", "; ".join(f"{k} {fmt(v)}" for k, v in data.items() if v not in (None, [], {}, False))],
             ["flow", "; ".join(f"{k} {fmt(flow.get(k))}" for k in ("path", "prediction") if k in flow)],
             ["training", "; ".join(f"{k} {fmt(train[k])}" for k in ("objective", "images", "batch_size", "lr")
                                    if k in train) + (f"; strategy {strategy}" if strategy else "")],
-            ["trained", f"{fmt(trained_images(folder, rel))} images ({ckpt.name if ckpt else 'no checkpoint'})"],
+            ["trained", f"{fmt(trained_images(folder, rel))} images ({ckpt.name})" if ckpt else None],
             ["seed", cfg.get("seed")]]
     return [row for row in rows if row[1] not in (None, "")]
 
 
-def description(folder: Folder, runs: list[Path], own_run: bool) -> str:
-    parts = []
-    if own_run:
-        parts.append(table(None, describe(folder, Path())))
+def description(folder: Folder, runs: list[Path]) -> str:
+    """The folder's own config described (a run's network, weights and progress too); an ensemble's experts as its
+    manifest lists them; every run below the folder; the configs themselves, folded away."""
+    parts = [table(None, describe(folder, Path()))]
     manifest = folder.json(MANIFEST)
     if isinstance(manifest, dict):
         parts.append(f"<p>An ensemble of {esc(fmt(manifest.get('k')))} experts, partition "
@@ -552,7 +554,7 @@ def build_page(target: Path) -> str:
     folder, runs, own_run = open_target(Path(target))
     kind = "run" if own_run else "ensemble" if folder.path(MANIFEST) or folder.path(Path("partition") / META_FILE) \
         else "folder of runs"
-    parts = {"Description": (description, runs, own_run), "Samples": (samples, runs),
+    parts = {"Description": (description, runs), "Samples": (samples, runs),
              "Partition": (partition,), "Condition router": (condition_router,),
              "Router accuracy and calibration against t": (router_accuracy, runs),
              "Ensemble against the monolith": (comparison,), "Metrics": (metrics, runs),
