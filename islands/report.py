@@ -217,7 +217,10 @@ def find_runs(folder: Folder, rel: Path = Path(), depth: int = 4) -> list[Path]:
     found = []
     for name in folder.entries(rel, "dir"):
         sub = rel / name
-        if name in NOT_MEMBERS or name.startswith(".") or (folder.root / sub).is_symlink():
+        if name in NOT_MEMBERS or name.startswith("."):
+            continue
+        if (folder.root / sub).is_symlink():
+            folder.left_out.append(f"{sub}: a linked folder, not searched")
             continue
         if is_run(folder, sub):
             found.append(sub)

@@ -187,6 +187,7 @@ def test_what_the_folder_says_is_escaped_no_link_leads_out_of_it_and_a_bad_file_
     (copy / "flops.json").unlink()
     (copy / "flops.json").symlink_to(run / "flops.json")  # the same file, but outside the folder
     (copy / "communication.json").write_text('{"steps": 12, "bytes_per')  # cut short
+    (copy / "elsewhere").symlink_to(run, target_is_directory=True)  # a run, but not this folder's
     text, page = report(copy)
     assert "<script" not in text.lower() and "<img src=x" not in text
     assert "&lt;script&gt;alert(&#x27;arch&#x27;)&lt;/script&gt;" in text
@@ -197,6 +198,7 @@ def test_what_the_folder_says_is_escaped_no_link_leads_out_of_it_and_a_bad_file_
     left_out = "Files left out</h2>"
     assert left_out in text and "samples/999999999999.png: it leads out of the folder" in text
     assert "flops.json: it leads out of the folder" in text
+    assert "elsewhere: a linked folder, not searched" in text and "Runs in this folder" not in text
     # a file that does not hold what it should is a line on the page, and the rest of the page is there
     assert "<p class=note>Communication ledger: could not be shown (JSONDecodeError: " in text
     assert ">Loss and evaluation curves</h2>" in text
