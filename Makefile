@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # Fashion-MNIST comes from Debian's dataset-fashion-mnist (30 MB), the emoji of data.source emoji from
-# fonts-noto-color-emoji (11 MB) and unicode-data's emoji-test.txt; installed where we may (root, as in CI).
+# fonts-noto-color-emoji (11 MB) and unicode-data's emoji-test.txt; the test of `islands report` opens its page in
+# Debian's chromium. All installed where we may (root, as in CI).
 EMOJI_FONT := /usr/share/fonts/truetype/noto/NotoColorEmoji.ttf
 EMOJI_TEST := /usr/share/unicode/emoji/emoji-test.txt
 APT_GET = [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -28,6 +29,8 @@ datasets:
 	  echo "note: Fashion-MNIST is missing (apt-get install dataset-fashion-mnist); the tests that need it are skipped"
 	@{ test -f $(EMOJI_FONT) && test -f $(EMOJI_TEST); } || { $(call APT_GET,fonts-noto-color-emoji unicode-data); } || \
 	  echo "note: the emoji font or list is missing (apt-get install fonts-noto-color-emoji unicode-data); the tests that need them are skipped"
+	@command -v chromium >/dev/null || { $(call APT_GET,chromium); } || \
+	  echo "note: chromium is missing (apt-get install chromium); the report's browser test is skipped"
 
 # The main job: a Decentralized Diffusion Model on MNIST 5k (4 experts, a router) beside a monolith trained with
 # the same compute, then their metrics; about 8 minutes on 2 cores (configs/mnist5k_ddm.yaml).

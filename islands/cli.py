@@ -295,6 +295,14 @@ def _plan(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from islands.report import write_report
+
+    page = write_report(Path(args.target), Path(args.out) if args.out else None)
+    print(f"wrote {page} ({page.stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
 def _ensemble_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML config with a ddm section; its run_dir is the ensemble directory")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
@@ -458,6 +466,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-every", default="10,50,100,200", help="the H of the local-update rows")
     p.add_argument("--out", help="path of the plan without suffix (default plans/CONFIG-NETWORK)")
     p.set_defaults(func=_plan)
+
+    p = sub.add_parser("report", help="one HTML page of what a run or an ensemble produced",
+                       description="Write one self-contained HTML page (pictures inlined, no scripts, no requests) "
+                                   "of what a run or ensemble folder holds: its description and config, sample "
+                                   "grids, the partition, the routers' accuracy and calibration, loss and evaluation "
+                                   "curves, every metrics.json entry, the communication ledger, the FLOP accounting "
+                                   "and the comparison with the monolith, each where the folder has it.")
+    p.add_argument("target", help="a run directory or an ensemble directory")
+    p.add_argument("--out", help="the page to write (default TARGET/report.html); only a report written before is "
+                                 "replaced")
+    p.set_defaults(func=_report)
     return parser
 
 

@@ -1,5 +1,6 @@
 """Pictures a person would rather see than read: sample grids and scatter plots."""
 
+import io
 import math
 import textwrap
 from pathlib import Path
@@ -50,6 +51,37 @@ def _save_figure(fig, path: Path) -> Path:
     fig.savefig(path, bbox_inches="tight")
     _pyplot().close(fig)
     return path
+
+
+def curves_png(panels: dict, xlabel: str, columns: int = 3, shares: tuple = ()) -> bytes:
+    """Small multiples, one panel per name, each holding lines {label: (x, y)} (a legend where there are several); a
+    panel whose values are all positive and span more than a hundredfold is drawn on a log scale, one named in
+    `shares` (an accuracy) from 0 to 1. -> PNG bytes."""
+    plt = _pyplot()
+    cols = min(columns, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 2.7 * rows), dpi=80, squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (name, lines) in zip(axes.flat, panels.items(), strict=False):  # more axes than panels
+        for label, (x, y) in lines.items():
+            ax.plot(x, y, marker="." if len(x) < 30 else None, label=label or None)
+        values = [v for _, y in lines.values() for v in y if math.isfinite(v)]
+        if name in shares:
+            ax.set_ylim(0, 1.02)
+        elif values and min(values) > 0 and max(values) > 100 * min(values):
+            ax.set_yscale("log")
+        if len(lines) > 1:
+            ax.legend(fontsize=7)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
 
 
 def save_side_by_side(pictures: dict, path: Path, title: str = "") -> Path:

@@ -141,7 +141,8 @@ def test_sample_precision_follows_a_bf16_run_where_bf16_is_native(tmp_path, caps
 def test_every_subcommand_explains_every_option():
     parser = build_parser()
     subparsers = parser._subparsers._group_actions[0].choices
-    assert set(subparsers) == {"train", "sample", "eval", "partition", "shard", "encode", "ddm", "distill", "plan"}
+    assert set(subparsers) == {"train", "sample", "eval", "partition", "shard", "encode", "ddm", "distill", "plan",
+                               "report"}
     for name, sub in subparsers.items():
         text = sub.format_help()
         for action in sub._actions:
