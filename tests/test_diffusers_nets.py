@@ -1,0 +1,213 @@
+"""diffusers networks inside Islands (`model.arch: diffusers`, islands/nets/diffusers_net.py): each adapter computes
+what the diffusers model computes when called by hand with its own timestep scale and conditioning, trains and
+resumes bit-identically, over 2 ranks as in 1 process, starts from a pretrained folder read as untrusted, and joins an
+ensemble."""
+
+import json
+
+import diffusers
+import pytest
+import torch
+from conftest import tiny_unet_config, write_config
+
+from islands.cli import main
+from islands.config import DIFFUSERS_CLASSES, validate
+from islands.nets import build_network
+from islands.nets.condition import pack_text
+from islands.nets.diffusers_net import ADAPTERS, load_pretrained
+from islands.parallel.activation_checkpointing import checkpoint_blocks
+from islands.rundir import latest_checkpoint, load_weights
+from islands.trainer import train
+
+# tiny constructor arguments of each class (the data's channels and size, and the text widths, are filled in)
+CONFIGS = {
+    "UNet2DModel": {"block_out_channels": [8, 16], "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
+                    "up_block_types": ["AttnUpBlock2D", "UpBlock2D"], "layers_per_block": 1, "norm_num_groups": 4,
+                    "attention_head_dim": 4},
+    "DiTTransformer2DModel": {"num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 2, "norm_num_groups": 4,
+                              "out_channels": 2},  # a learned sigma, sliced off
+    "UNet2DConditionModel": {"block_out_channels": [8, 16], "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+                             "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "layers_per_block": 1,
+                             "norm_num_groups": 4, "attention_head_dim": 4},
+    "SD3Transformer2DModel": {"num_layers": 2, "attention_head_dim": 8, "num_attention_heads": 2,
+                              "caption_projection_dim": 16, "pos_embed_max_size": 8},
+    "FluxTransformer2DModel": {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 8,
+                               "num_attention_heads": 2, "axes_dims_rope": [2, 2, 4]},
+}
+CLASS_LABELS = ("UNet2DModel", "DiTTransformer2DModel")
+TEXT = {"text_width": 12, "text_pooled_width": 10, "text_tokens": 5}
+
+
+def model_config(class_name: str, num_classes: int = 0, **keys) -> dict:
+    text = TEXT if class_name not in CLASS_LABELS else {}
+    return {"arch": "diffusers", "class_name": class_name, "config": CONFIGS[class_name], "num_classes": num_classes,
+            **({"condition": "text", **text} if text else {}), **keys}
+
+
+def randomised(net: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter random: zero-initialised output layers would make every comparison trivially equal."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return net
+
+
+def captions(n: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    states, pooled = torch.randn(n, 5, 12, generator=gen), torch.randn(n, 10, generator=gen)
+    return pack_text(states, torch.arange(5)[None] < torch.tensor([[2], [5], [3]])[:n], pooled)
+
+
+def by_hand(net, x, t, cond, num_classes: int) -> torch.Tensor:
+    """The diffusers model itself, built from the adapter's arguments and holding its weights, called as diffusers'
+    pipelines call it: each class's timestep scale, labels, caption, packing and output as its own code wants them."""
+    name = net.class_name
+    model = getattr(diffusers, name)(**net.diffusers_config)
+    model.load_state_dict(net.diffusers_state_dict())
+    model.eval()
+    if name in CLASS_LABELS:
+        labels = cond if num_classes else torch.full((len(x),), net.diffusers_config.get("num_embeds_ada_norm", 0))
+        labels = labels if num_classes or name == "DiTTransformer2DModel" else None
+        return model(x, 1000 * t, class_labels=labels).sample[:, :x.shape[1]]
+    states, mask, pooled = cond[:, 1:, :12], cond[:, 1:, 12] > 0.5, cond[:, 0, :10]
+    if name == "UNet2DConditionModel":
+        return model(x, 1000 * t, encoder_hidden_states=states, encoder_attention_mask=mask).sample
+    if name == "SD3Transformer2DModel":
+        return model(x, encoder_hidden_states=states, pooled_projections=pooled, timestep=1000 * t).sample
+    b, c, h, w = x.shape  # Flux: FluxPipeline's _pack_latents and _prepare_latent_image_ids
+    packed = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, 4 * c)
+    img_ids = torch.zeros(h // 2, w // 2, 3)
+    img_ids[..., 1] += torch.arange(h // 2)[:, None]
+    img_ids[..., 2] += torch.arange(w // 2)[None, :]
+    out = model(packed, encoder_hidden_states=states, pooled_projections=pooled, timestep=t,
+                img_ids=img_ids.reshape(-1, 3), txt_ids=torch.zeros(states.shape[1], 3)).sample
+    return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+
+CASES = [("UNet2DModel", 0), ("UNet2DModel", 4), ("DiTTransformer2DModel", 0), ("DiTTransformer2DModel", 4),
+         ("UNet2DConditionModel", 0), ("SD3Transformer2DModel", 0), ("FluxTransformer2DModel", 0)]
+
+
+@pytest.mark.parametrize(("class_name", "num_classes"), CASES)
+def test_the_adapter_computes_what_the_diffusers_model_computes_called_by_hand(class_name, num_classes):
+    cfg = validate({"run_dir": ".", "model": model_config(class_name, num_classes)})
+    net = randomised(build_network(cfg.model, (2, 8, 8), num_classes)).eval()
+    x, t = torch.randn(3, 2, 8, 8), torch.tensor([0.02, 0.5, 0.97])
+    cond = (torch.tensor([0, 3, 4]) if num_classes else None) if class_name in CLASS_LABELS else captions(3)
+    with torch.no_grad():
+        torch.testing.assert_close(net(x, t, cond), by_hand(net, x, t, cond, num_classes), rtol=1e-5, atol=1e-5)
+    assert len(net.blocks) == {"UNet2DModel": 5, "UNet2DConditionModel": 5}.get(class_name, 2)
+
+
+def test_every_class_the_config_names_has_an_adapter():
+    assert set(DIFFUSERS_CLASSES) == set(ADAPTERS)
+
+
+def test_dits_own_label_dropout_never_fires():
+    """DiT drops 10% of its labels from torch's global generator in train mode; Islands' dropout, drawn from each
+    example's stream, must be the only one: train mode gives eval mode's output, whatever the global generator."""
+    cfg = validate({"run_dir": ".", "model": model_config("DiTTransformer2DModel", 4)})
+    net = randomised(build_network(cfg.model, (2, 8, 8), 4))
+    x, t, y = torch.randn(64, 2, 8, 8), torch.rand(64), torch.arange(64) % 4
+    with torch.no_grad():
+        expected = net.eval()(x, t, y)
+        net.train()
+        for seed in range(3):
+            torch.manual_seed(seed)
+            assert torch.equal(net(x, t, y), expected)
+
+
+@pytest.fixture
+def diffusers_run(tmp_path, image_npz):
+    def config(class_name: str, run_dir: str, **train_keys) -> dict:
+        train_keys = {"images": 32, "checkpoint_every": 16, "sample_every": 0, "warmup_images": 16, **train_keys}
+        cfg = tiny_unet_config(tmp_path / run_dir, image_npz, train=train_keys)
+        cfg["model"] = model_config(class_name, 4)
+        return cfg
+    return config
+
+
+@pytest.mark.parametrize("class_name", CLASS_LABELS)
+def test_a_diffusers_network_trains_and_resumes_bit_identically(diffusers_run, class_name, capsys):
+    straight = train(validate(diffusers_run(class_name, "straight")), progress=False)
+    train(validate(diffusers_run(class_name, "resumed", images=16)), progress=False)
+    resumed = train(validate(diffusers_run(class_name, "resumed")), progress=False)
+    for name in ("model.safetensors", "ema.safetensors"):
+        a, b = (load_weights(latest_checkpoint(run) / name) for run in (straight, resumed))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert main(["sample", str(straight), "--num", "4", "--out", str(straight / "drawn"), "--quiet"]) == 0
+
+
+@pytest.mark.parametrize("class_name", CLASS_LABELS)
+def test_activation_checkpointing_gives_the_same_gradients(class_name):
+    cfg = validate({"run_dir": ".", "model": model_config(class_name, 4)})
+    x, t, y = torch.randn(4, 2, 8, 8), torch.rand(4), torch.tensor([0, 1, 2, 4])
+
+    def gradients(checkpointed: bool) -> dict:
+        torch.manual_seed(0)
+        net = randomised(build_network(cfg.model, (2, 8, 8), 4))
+        if checkpointed:
+            assert checkpoint_blocks(net) == len(net.blocks) == {"UNet2DModel": 5}.get(class_name, 2)
+        net(x, t, y).square().mean().backward()
+        return {n: p.grad for n, p in net.named_parameters()}
+
+    plain, recomputed = gradients(False), gradients(True)
+    assert plain.keys() == recomputed.keys()
+    assert all(torch.equal(plain[n], recomputed[n]) for n in plain)
+
+
+def saved_folder(folder, class_name="UNet2DModel", seed=1):
+    """A diffusers folder as save_pretrained writes it, of random weights."""
+    torch.manual_seed(seed)
+    model = getattr(diffusers, class_name)(**{**CONFIGS[class_name], "in_channels": 1, "out_channels": 1,
+                                              "sample_size": 8, "num_class_embeds": 5})
+    model.save_pretrained(folder)
+    return model
+
+
+def test_a_run_starts_from_a_pretrained_folder(tmp_path, image_npz, capsys):
+    model = saved_folder(tmp_path / "pretrained")
+    cfg = tiny_unet_config(tmp_path / "run", image_npz, train={"images": 16, "optimizer": "sgd", "lr": 1e-9,
+                                                               "warmup_images": 0, "ema_halflife_images": 0})
+    cfg["model"] = {"arch": "diffusers", "pretrained": str(tmp_path / "pretrained"), "num_classes": 4}
+    resolved = validate(cfg).model
+    assert resolved.class_name == "UNet2DModel" and resolved.config["block_out_channels"] == [8, 16]
+    net = build_network(resolved, (1, 8, 8), 4)
+    load_pretrained(net, str(tmp_path / "pretrained"))
+    weights = model.state_dict()
+    assert net.diffusers_state_dict().keys() == weights.keys()
+    assert all(torch.equal(v, weights[k]) for k, v in net.diffusers_state_dict().items())
+
+    assert main(["train", write_config(tmp_path / "run.yaml", cfg), "--quiet"]) == 0
+    trained = load_weights(latest_checkpoint(tmp_path / "run") / "model.safetensors")
+    net.load_state_dict(trained)
+    started = net.diffusers_state_dict()  # a step of 1e-9 from the folder's weights
+    assert all(torch.allclose(v, weights[k], atol=1e-6) for k, v in started.items())
+
+
+@pytest.mark.parametrize("damage", ["class", "pickle", "missing", "config"])
+def test_a_pretrained_folder_that_is_not_a_safetensors_denoiser_is_refused_in_one_line(tmp_path, image_npz, capsys,
+                                                                                       damage):
+    folder = tmp_path / "pretrained"
+    saved_folder(folder)
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    config = json.loads((folder / "config.json").read_text())
+    if damage == "class":  # an autoencoder is no denoiser, and nothing is imported because the folder names it
+        (folder / "config.json").write_text(json.dumps({**config, "_class_name": "AutoencoderKL"}))
+    elif damage == "pickle":
+        weights.rename(folder / "diffusion_pytorch_model.bin")
+    elif damage == "missing":
+        weights.unlink()
+    else:  # the run's network and the folder's differ
+        (folder / "config.json").write_text(json.dumps({**config, "sample_size": 16}))
+    cfg = tiny_unet_config(tmp_path / "run", image_npz)
+    cfg["model"] = {"arch": "diffusers", "pretrained": str(folder), "num_classes": 4}
+    if damage == "config":  # the config resolved before the folder changed
+        cfg["model"] = {**cfg["model"], "class_name": "UNet2DModel", "config": config}
+        cfg["model"]["config"] = {k: v for k, v in config.items() if not k.startswith("_")}
+    assert main(["train", write_config(tmp_path / "run.yaml", cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.pretrained: diffusers folder" in err, err
+    assert {"class": "'AutoencoderKL', not one of", "pickle": "pickled weights only", "missing": "is missing",
+            "config": "gives sample_size 16"}[damage] in err
