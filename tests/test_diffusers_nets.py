@@ -124,12 +124,15 @@ def diffusers_run(tmp_path, image_npz):
         train_keys = {"images": 32, "checkpoint_every": 16, "sample_every": 0, "warmup_images": 16, **train_keys}
         cfg = tiny_unet_config(tmp_path / run_dir, image_npz, train=train_keys)
         cfg["model"] = model_config(class_name, 4)
+        if class_name == "UNet2DModel":  # DDPM's own setting: its steps, epsilon
+            cfg["flow"] = {"path": "vp_discrete", "prediction": "epsilon"}
         return cfg
     return config
 
 
 @pytest.mark.parametrize("class_name", CLASS_LABELS)
 def test_a_diffusers_network_trains_and_resumes_bit_identically(diffusers_run, class_name, capsys):
+    torch.set_num_threads(1)
     straight = train(validate(diffusers_run(class_name, "straight")), progress=False)
     train(validate(diffusers_run(class_name, "resumed", images=16)), progress=False)
     resumed = train(validate(diffusers_run(class_name, "resumed")), progress=False)
@@ -211,3 +214,17 @@ def test_a_pretrained_folder_that_is_not_a_safetensors_denoiser_is_refused_in_on
     assert len(err.splitlines()) == 1 and "model.pretrained: diffusers folder" in err, err
     assert {"class": "'AutoencoderKL', not one of", "pickle": "pickled weights only", "missing": "is missing",
             "config": "gives sample_size 16"}[damage] in err
+
+
+@pytest.mark.parametrize("class_name", CLASS_LABELS)
+def test_ddp_on_two_ranks_follows_the_single_process(diffusers_run, tmp_path, class_name):
+    """2 ranks of 4 examples against 1 process of 2 micro-batches of 4: the same gradients, summed in another order."""
+    from test_parallel import final_weights, launch_ranks, relative_difference
+
+    cfg = diffusers_run(class_name, "single")
+    torch.set_num_threads(1)
+    single = final_weights(train(validate(cfg), progress=False))
+    cfg = {**cfg, "run_dir": str(tmp_path / "ddp"), "train": {**cfg["train"], "accumulate": 1}}
+    ranks = launch_ranks(2, cfg, tmp_path, "parallel.strategy=ddp")
+    assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
+    assert relative_difference(single, final_weights(cfg["run_dir"])) < 1e-5
