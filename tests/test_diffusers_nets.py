@@ -8,15 +8,18 @@ import json
 import diffusers
 import pytest
 import torch
-from conftest import tiny_unet_config, write_config
+from conftest import emoji_or_skip, tiny_unet_config, write_config
 
 from islands.cli import main
 from islands.config import DIFFUSERS_CLASSES, validate
+from islands.data import build_data
 from islands.nets import build_network
 from islands.nets.condition import pack_text
 from islands.nets.diffusers_net import ADAPTERS, load_pretrained
+from islands.nets.text_folder import bundled_text_encoder
 from islands.parallel.activation_checkpointing import checkpoint_blocks
 from islands.rundir import latest_checkpoint, load_weights
+from islands.train.captions import caption_table
 from islands.trainer import train
 
 # tiny constructor arguments of each class (the data's channels and size, and the text widths, are filled in)
@@ -216,15 +219,70 @@ def test_a_pretrained_folder_that_is_not_a_safetensors_denoiser_is_refused_in_on
             "config": "gives sample_size 16"}[damage] in err
 
 
-@pytest.mark.parametrize("class_name", CLASS_LABELS)
-def test_ddp_on_two_ranks_follows_the_single_process(diffusers_run, tmp_path, class_name):
-    """2 ranks of 4 examples against 1 process of 2 micro-batches of 4: the same gradients, summed in another order."""
+def follows_the_single_process(cfg: dict, tmp_path, *strategy: str) -> None:
+    """2 ranks of 4 examples against 1 process of 2 micro-batches of 4: the same gradients, summed in another order
+    (a pipeline's 2 micro-batches of 4 each)."""
     from test_parallel import final_weights, launch_ranks, relative_difference
 
-    cfg = diffusers_run(class_name, "single")
     torch.set_num_threads(1)
     single = final_weights(train(validate(cfg), progress=False))
-    cfg = {**cfg, "run_dir": str(tmp_path / "ddp"), "train": {**cfg["train"], "accumulate": 1}}
-    ranks = launch_ranks(2, cfg, tmp_path, "parallel.strategy=ddp")
+    cfg = {**cfg, "run_dir": str(tmp_path / "ranks"), "train": {**cfg["train"], "accumulate": 1}}
+    ranks = launch_ranks(2, cfg, tmp_path, *strategy)
     assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
     assert relative_difference(single, final_weights(cfg["run_dir"])) < 1e-5
+
+
+@pytest.mark.parametrize(("class_name", "strategy"), [
+    ("UNet2DModel", ["parallel.strategy=ddp"]), ("DiTTransformer2DModel", ["parallel.strategy=ddp"]),
+    ("DiTTransformer2DModel", ["parallel.strategy=pipeline", "parallel.microbatches=2"])])
+def test_two_ranks_follow_the_single_process(diffusers_run, tmp_path, class_name, strategy):
+    """DDP, or a pipeline whose second stage gets DiT's labels and the head's conditioning in the carry."""
+    follows_the_single_process(diffusers_run(class_name, "single"), tmp_path, *strategy)
+
+
+TEXT_CLASSES = ("UNet2DConditionModel", "SD3Transformer2DModel", "FluxTransformer2DModel")
+
+
+@pytest.mark.parametrize("class_name", TEXT_CLASSES)
+def test_a_dropped_caption_is_the_networks_none(class_name):
+    """Dropped, a caption is the learned null (for SD3 and Flux, which read every row, the very same input as none);
+    given, it changes the output."""
+    cfg = validate({"run_dir": ".", "model": model_config(class_name)})
+    net = randomised(build_network(cfg.model, (2, 8, 8), 0)).eval()
+    x, t, c = torch.randn(3, 2, 8, 8), torch.rand(3), captions(3)
+    with torch.no_grad():
+        none, dropped = net(x, t, None), net(x, t, net.condition.drop(c, torch.tensor([True, False, True])))
+    torch.testing.assert_close(dropped[[0, 2]], none[[0, 2]], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(dropped[1], none[1], atol=1e-3)
+
+
+def emoji_diffusers_run(run_dir, class_name: str, **train_keys) -> dict:
+    from test_text_conditioning import emoji_run
+
+    cfg = emoji_run(run_dir, **{"images": 32, "checkpoint_every": 16, "sample_every": 0, "batch_size": 8,
+                                "accumulate": 2, **train_keys})
+    cfg["model"] = {"arch": "diffusers", "class_name": class_name, "config": CONFIGS[class_name], "text_tokens": 16}
+    return cfg
+
+
+@pytest.mark.parametrize("class_name", TEXT_CLASSES)
+def test_a_text_conditioned_diffusers_network_resumes_bit_identically_and_follows_ddp(tmp_path, class_name):
+    """On the emoji's captions (their MiniLM token states and pooled vectors): resumed half way, the run that never
+    stopped; on 2 DDP ranks, the single process; sampled with prompts under guidance."""
+    emoji_or_skip()
+    torch.set_num_threads(1)
+    # captions encoded (and cached) before any run: a run that encoded them itself differed from its resumption by
+    # 1e-8 (Islands' own U-Net alike), which this test is not about
+    cfg = validate(emoji_diffusers_run(tmp_path / "straight", class_name))
+    caption_table(build_data(cfg.data, cfg.seed), bundled_text_encoder(), cfg.model.text_tokens)
+    straight = train(cfg, progress=False)
+    assert validate(emoji_diffusers_run(".", class_name)).model.condition == "text"
+    train(validate(emoji_diffusers_run(tmp_path / "resumed", class_name, images=16)), progress=False)
+    resumed = train(validate(emoji_diffusers_run(tmp_path / "resumed", class_name)), progress=False)
+    for name in ("model.safetensors", "ema.safetensors"):
+        a, b = (load_weights(latest_checkpoint(run) / name) for run in (straight, resumed))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    out = tmp_path / "drawn"
+    assert main(["sample", str(straight), "--num", "2", "--out", str(out), "--quiet", "--prompt", "red apple"]) == 0
+    follows_the_single_process(emoji_diffusers_run(tmp_path / "single", class_name), tmp_path,
+                               "parallel.strategy=ddp")

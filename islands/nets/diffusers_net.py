@@ -321,6 +321,8 @@ class DiT(DiffusersNetwork):
 
     def block_forward(self, i, carry):
         hidden, timestep, labels, *conditioning = carry
+        # a pipeline stage first runs on uninitialised inputs to learn their shapes: any label must index the table
+        labels = labels.clamp(0, self.null_class)
         if i == 0:
             hidden, first = self.blocks[0](hidden, timestep, labels)
             return hidden, timestep, labels, first
