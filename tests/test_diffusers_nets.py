@@ -6,6 +6,7 @@ ensemble."""
 import json
 
 import diffusers
+import numpy as np
 import pytest
 import torch
 from conftest import emoji_or_skip, tiny_unet_config, write_config
@@ -286,3 +287,55 @@ def test_a_text_conditioned_diffusers_network_resumes_bit_identically_and_follow
     assert main(["sample", str(straight), "--num", "2", "--out", str(out), "--quiet", "--prompt", "red apple"]) == 0
     follows_the_single_process(emoji_diffusers_run(tmp_path / "single", class_name), tmp_path,
                                "parallel.strategy=ddp")
+
+
+def test_diffusers_experts_join_an_ensemble_that_samples_and_routes(tmp_path, image_npz):
+    """`islands ddm` with experts of `model.arch: diffusers` (DiT, class-conditional) and Islands' own router: the
+    ensemble is built, records its experts, and samples under every routing policy, guided."""
+    cfg = tiny_unet_config(tmp_path / "ens", image_npz, train={"images": 32, "checkpoint_every": 32,
+                                                                "sample_every": 0, "warmup_images": 16})
+    cfg["model"] = model_config("DiTTransformer2DModel", 4)
+    cfg["sample"] = {**cfg["sample"], "guidance": 2.0}
+    cfg["eval"] = {"num": 16, "metrics": ["fd"], "features": "pixels"}
+    cfg["ddm"] = {"k": 2, "partition": {"method": "kmeans", "pca_dim": 8, "fine": 8},
+                  "router": {"hidden_size": 16, "depth": 1, "num_heads": 2, "patch_size": 2, "batch_size": 8,
+                             "images": 16}}
+    assert main(["ddm", write_config(tmp_path / "ddm.yaml", cfg), "--quiet"]) == 0
+    manifest = json.loads((tmp_path / "ens" / "ensemble.json").read_text())
+    assert len(manifest["experts"]) == 2
+    for i in range(2):
+        expert = validate(yaml_config(tmp_path / "ens" / "experts" / str(i) / "config.yaml"))
+        assert (expert.model.arch, expert.model.class_name) == ("diffusers", "DiTTransformer2DModel")
+    for routing in ("top1", "full", "ancestral"):
+        out = tmp_path / routing
+        assert main(["sample", str(tmp_path / "ens"), "--num", "4", "--routing", routing, "--out", str(out),
+                     "--quiet"]) == 0
+        assert np.load(out / "samples.npz")["x"].shape == (4, 1, 8, 8)
+
+
+def yaml_config(path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"config": {**CONFIGS["UNet2DModel"], "blocks": 3}}, "model: config.blocks: not an argument of UNet2DModel"),
+    ({"config": {**CONFIGS["UNet2DModel"], "in_channels": 3}},
+     "model: config.in_channels: 3, but the data's channels makes it 1"),
+    ({"config": {**CONFIGS["UNet2DModel"], "num_class_embeds": 4}},
+     "model: config.num_class_embeds: 4, but 4 classes and the null class makes it 5"),
+    ({"condition": "text", "num_classes": 0}, "model.condition: 'text' for a UNet2DModel"),
+    ({"flow": {"path": "vp_discrete", "prediction": "epsilon", "train_steps": 500}},
+     "flow.train_steps: a diffusers network takes DDPM's timesteps 0-999"),
+    ({"class_name": None}, "model.class_name: give the diffusers class"),
+])
+def test_a_diffusers_config_that_does_not_fit_is_refused_by_key(tmp_path, image_npz, capsys, change, message):
+    cfg = tiny_unet_config(tmp_path / "run", image_npz)
+    cfg["model"] = model_config("UNet2DModel", 4)
+    cfg["flow"] = change.pop("flow", {})
+    cfg["model"].update(change)
+    assert main(["train", write_config(tmp_path / "run.yaml", cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists()
