@@ -9,7 +9,9 @@ import diffusers
 import numpy as np
 import pytest
 import torch
+import yaml
 from conftest import emoji_or_skip, tiny_unet_config, write_config
+from safetensors.torch import save_file
 
 from islands.cli import main
 from islands.config import DIFFUSERS_CLASSES, validate
@@ -193,11 +195,11 @@ def test_a_run_starts_from_a_pretrained_folder(tmp_path, image_npz, capsys):
     assert all(torch.allclose(v, weights[k], atol=1e-6) for k, v in started.items())
 
 
-@pytest.mark.parametrize("damage", ["class", "pickle", "missing", "config"])
+@pytest.mark.parametrize("damage", ["class", "pickle", "missing", "config", "weights"])
 def test_a_pretrained_folder_that_is_not_a_safetensors_denoiser_is_refused_in_one_line(tmp_path, image_npz, capsys,
                                                                                        damage):
     folder = tmp_path / "pretrained"
-    saved_folder(folder)
+    model = saved_folder(folder)
     weights = folder / "diffusion_pytorch_model.safetensors"
     config = json.loads((folder / "config.json").read_text())
     if damage == "class":  # an autoencoder is no denoiser, and nothing is imported because the folder names it
@@ -206,18 +208,20 @@ def test_a_pretrained_folder_that_is_not_a_safetensors_denoiser_is_refused_in_on
         weights.rename(folder / "diffusion_pytorch_model.bin")
     elif damage == "missing":
         weights.unlink()
+    elif damage == "weights":  # weights that leave a parameter of the network uninitialised
+        save_file({k: v for k, v in model.state_dict().items() if k != "conv_out.bias"}, weights)
     else:  # the run's network and the folder's differ
         (folder / "config.json").write_text(json.dumps({**config, "sample_size": 16}))
     cfg = tiny_unet_config(tmp_path / "run", image_npz)
     cfg["model"] = {"arch": "diffusers", "pretrained": str(folder), "num_classes": 4}
-    if damage == "config":  # the config resolved before the folder changed
+    if damage in ("config", "weights"):  # the config resolved before the folder changed
         cfg["model"] = {**cfg["model"], "class_name": "UNet2DModel", "config": config}
         cfg["model"]["config"] = {k: v for k, v in config.items() if not k.startswith("_")}
     assert main(["train", write_config(tmp_path / "run.yaml", cfg), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "model.pretrained: diffusers folder" in err, err
     assert {"class": "'AutoencoderKL', not one of", "pickle": "pickled weights only", "missing": "is missing",
-            "config": "gives sample_size 16"}[damage] in err
+            "config": "gives sample_size 16", "weights": "do not fit the UNet2DModel: no conv_out.bias"}[damage] in err
 
 
 def follows_the_single_process(cfg: dict, tmp_path, *strategy: str) -> None:
@@ -304,19 +308,13 @@ def test_diffusers_experts_join_an_ensemble_that_samples_and_routes(tmp_path, im
     manifest = json.loads((tmp_path / "ens" / "ensemble.json").read_text())
     assert len(manifest["experts"]) == 2
     for i in range(2):
-        expert = validate(yaml_config(tmp_path / "ens" / "experts" / str(i) / "config.yaml"))
+        expert = validate(yaml.safe_load((tmp_path / "ens" / "experts" / str(i) / "config.yaml").read_text()))
         assert (expert.model.arch, expert.model.class_name) == ("diffusers", "DiTTransformer2DModel")
     for routing in ("top1", "full", "ancestral"):
         out = tmp_path / routing
         assert main(["sample", str(tmp_path / "ens"), "--num", "4", "--routing", routing, "--out", str(out),
                      "--quiet"]) == 0
         assert np.load(out / "samples.npz")["x"].shape == (4, 1, 8, 8)
-
-
-def yaml_config(path) -> dict:
-    import yaml
-
-    return yaml.safe_load(path.read_text())
 
 
 @pytest.mark.parametrize(("change", "message"), [

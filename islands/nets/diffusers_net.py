@@ -105,19 +105,19 @@ class DiffusersNetwork(StagedNetwork):
     def class_labels(self, cond, batch: int, device) -> torch.Tensor:
         return self.labels.or_null(cond, batch, device)
 
-    # the weights under diffusers' own names, for its save_pretrained and from a pretrained folder
+    # the weights under diffusers' own names: for its save_pretrained, and from a pretrained folder
+    def diffusers_key(self, key: str) -> str:
+        """A state-dict key under diffusers' own name (blocks.i.* -> down_blocks.j.*, transformer_blocks.j.*, ...)."""
+        top, _, rest = key.partition(".")
+        if top != "blocks":
+            return key
+        i, _, rest = rest.partition(".")
+        return f"{self.block_names[int(i)]}.{rest}"
+
     def diffusers_state_dict(self) -> dict:
         """The diffusers model's weights under its own names (a text network's learned null is Islands' own and
         left out)."""
-        out = {}
-        for key, value in self.state_dict().items():
-            top, _, rest = key.partition(".")
-            if top == "blocks":
-                i, _, rest = rest.partition(".")
-                out[f"{self.block_names[int(i)]}.{rest}"] = value
-            elif top != "text":
-                out[key] = value
-        return out
+        return {self.diffusers_key(k): v for k, v in self.state_dict().items() if not k.startswith("text.")}
 
     def load_diffusers_state_dict(self, weights: dict) -> None:
         """Load weights named as diffusers names them; a name missing on either side, or a shape that differs, is
@@ -131,21 +131,14 @@ class DiffusersNetwork(StagedNetwork):
         expected = {k: v for k, v in self.state_dict().items() if not k.startswith("text.")}
         missing, extra = sorted(expected.keys() - own.keys()), sorted(own.keys() - expected.keys())
         if missing or extra:
-            said = [f"no {self.diffusers_key(missing[0])}"] if missing else [f"an unknown {extra[0]}"]
-            raise ValueError(f"the weights do not fit the {self.class_name}: {said[0]} "
+            first = f"no {self.diffusers_key(missing[0])}" if missing else f"an unknown {extra[0]}"
+            raise ValueError(f"the weights do not fit the {self.class_name}: {first} "
                              f"({len(missing)} missing, {len(extra)} unknown)")
         for key, value in own.items():
             if tuple(value.shape) != tuple(expected[key].shape):
                 raise ValueError(f"the weights do not fit the {self.class_name}: {self.diffusers_key(key)} is "
                                  f"{tuple(value.shape)} there, {tuple(expected[key].shape)} here")
         self.load_state_dict(own, strict=False)
-
-    def diffusers_key(self, key: str) -> str:
-        top, _, rest = key.partition(".")
-        if top != "blocks":
-            return key
-        i, _, rest = rest.partition(".")
-        return f"{self.block_names[int(i)]}.{rest}"
 
 
 def _unpatchify(hidden: torch.Tensor, patch: int, channels: int) -> torch.Tensor:
