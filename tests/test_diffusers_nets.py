@@ -4,6 +4,7 @@ resumes bit-identically, over 2 ranks as in 1 process, starts from a pretrained 
 ensemble."""
 
 import json
+from pathlib import Path
 
 import diffusers
 import numpy as np
@@ -293,28 +294,54 @@ def test_a_text_conditioned_diffusers_network_resumes_bit_identically_and_follow
                                "parallel.strategy=ddp")
 
 
-def test_diffusers_experts_join_an_ensemble_that_samples_and_routes(tmp_path, image_npz):
-    """`islands ddm` with experts of `model.arch: diffusers` (DiT, class-conditional) and Islands' own router: the
-    ensemble is built, records its experts, and samples under every routing policy, guided."""
+def ensemble_of(path, cfg: dict, classes: tuple[str, ...]) -> dict:
+    """`islands ddm` of one expert per class: experts 1, 2, ... trained first on their own, each as its class, expert 0
+    by `islands ddm` as the config's (islands need not agree on their networks); -> the manifest."""
+    cfg["ddm"] = {"k": len(classes), "partition": {"method": "kmeans", "pca_dim": 8, "fine": 8},
+                  "router": {"hidden_size": 16, "depth": 1, "num_heads": 2, "patch_size": 2, "batch_size": 8,
+                             "images": 16}}
+    cfg["model"] = {**cfg["model"], "class_name": classes[0], "config": CONFIGS[classes[0]]}
+    config = write_config(path, cfg)
+    assert main(["partition", config, "--quiet"]) == 0
+    for i, name in enumerate(classes[1:], start=1):
+        assert main(["train", config, f"expert={i}", f"model.class_name={name}",
+                     f"model.config={json.dumps(CONFIGS[name])}", "--quiet"]) == 0
+    assert main(["ddm", config, "--quiet"]) == 0
+    root = Path(cfg["run_dir"])
+    for i, name in enumerate(classes):
+        expert = validate(yaml.safe_load((root / "experts" / str(i) / "config.yaml").read_text()))
+        assert (expert.model.arch, expert.model.class_name) == ("diffusers", name)
+    return json.loads((root / "ensemble.json").read_text())
+
+
+def test_diffusers_experts_of_two_classes_join_an_ensemble_that_samples_under_every_routing(tmp_path, image_npz):
+    """A DiT and a DDPM U-Net, class-conditional, with Islands' own router: guided samples under every policy."""
     cfg = tiny_unet_config(tmp_path / "ens", image_npz, train={"images": 32, "checkpoint_every": 32,
                                                                 "sample_every": 0, "warmup_images": 16})
     cfg["model"] = model_config("DiTTransformer2DModel", 4)
-    cfg["sample"] = {**cfg["sample"], "guidance": 2.0}
-    cfg["eval"] = {"num": 16, "metrics": ["fd"], "features": "pixels"}
-    cfg["ddm"] = {"k": 2, "partition": {"method": "kmeans", "pca_dim": 8, "fine": 8},
-                  "router": {"hidden_size": 16, "depth": 1, "num_heads": 2, "patch_size": 2, "batch_size": 8,
-                             "images": 16}}
-    assert main(["ddm", write_config(tmp_path / "ddm.yaml", cfg), "--quiet"]) == 0
-    manifest = json.loads((tmp_path / "ens" / "ensemble.json").read_text())
+    cfg["sample"] = {"num": 4, "steps": 2, "solver": "euler", "guidance": 2.0}
+    cfg["eval"] = {"num": 8, "metrics": ["fd"], "features": "pixels"}
+    manifest = ensemble_of(tmp_path / "ddm.yaml", cfg, CLASS_LABELS[::-1])
     assert len(manifest["experts"]) == 2
-    for i in range(2):
-        expert = validate(yaml.safe_load((tmp_path / "ens" / "experts" / str(i) / "config.yaml").read_text()))
-        assert (expert.model.arch, expert.model.class_name) == ("diffusers", "DiTTransformer2DModel")
     for routing in ("top1", "full", "ancestral"):
         out = tmp_path / routing
         assert main(["sample", str(tmp_path / "ens"), "--num", "4", "--routing", routing, "--out", str(out),
                      "--quiet"]) == 0
         assert np.load(out / "samples.npz")["x"].shape == (4, 1, 8, 8)
+
+
+def test_text_conditioned_diffusers_experts_join_an_ensemble_that_samples_prompts(tmp_path):
+    """An SD3, a Flux and an SD U-Net expert on the emoji's captions, a text-conditioned router: prompts sampled,
+    guided."""
+    emoji_or_skip()
+    cfg = emoji_diffusers_run(tmp_path / "ens", "SD3Transformer2DModel", sample_every=0)
+    cfg["data"]["limit"] = 64
+    cfg["eval"] = {"num": 8, "metrics": ["fd"], "features": "pixels"}
+    ensemble_of(tmp_path / "ddm.yaml", cfg, TEXT_CLASSES[1:] + TEXT_CLASSES[:1])
+    out = tmp_path / "drawn"
+    assert main(["sample", str(tmp_path / "ens"), "--num", "2", "--out", str(out), "--prompt", "red apple",
+                 "--prompt", "grinning face", "--quiet"]) == 0
+    assert np.load(out / "samples.npz")["x"].shape == (2, 3, 8, 8)
 
 
 @pytest.mark.parametrize(("change", "message"), [
