@@ -240,9 +240,11 @@ def follows_the_single_process(cfg: dict, tmp_path, *strategy: str) -> None:
 
 @pytest.mark.parametrize(("class_name", "strategy"), [
     ("UNet2DModel", ["parallel.strategy=ddp"]), ("DiTTransformer2DModel", ["parallel.strategy=ddp"]),
-    ("DiTTransformer2DModel", ["parallel.strategy=pipeline", "parallel.microbatches=2"])])
+    ("DiTTransformer2DModel", ["parallel.strategy=pipeline", "parallel.microbatches=2"]),
+    ("DiTTransformer2DModel", ["parallel.strategy=fsdp"])])
 def test_two_ranks_follow_the_single_process(diffusers_run, tmp_path, class_name, strategy):
-    """DDP, or a pipeline whose second stage gets DiT's labels and the head's conditioning in the carry."""
+    """DDP; a pipeline whose second stage gets DiT's labels and the head's conditioning in the carry; FSDP, under
+    which the head's conditioning, made of block 0's weights, is computed inside block 0's call."""
     follows_the_single_process(diffusers_run(class_name, "single"), tmp_path, *strategy)
 
 
