@@ -9,7 +9,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -127,6 +127,15 @@ def captioned(data) -> bool:
 
 
 TEXT_ARCHS = ("dit", "unet", "router")  # the networks that read a caption (a router its pooled vector only)
+# the diffusers denoisers `model.arch: diffusers` builds (islands/nets/diffusers_net.py), and those that read a caption
+DIFFUSERS_CLASSES = ("UNet2DModel", "DiTTransformer2DModel", "UNet2DConditionModel", "SD3Transformer2DModel",
+                     "FluxTransformer2DModel")
+DIFFUSERS_TEXT = ("UNet2DConditionModel", "SD3Transformer2DModel", "FluxTransformer2DModel")
+
+
+def reads_text(model) -> bool:
+    """Whether the network a model config names can read a caption."""
+    return model.arch in TEXT_ARCHS or model.arch == "diffusers" and model.class_name in DIFFUSERS_TEXT
 
 
 # --- model: one variant per network, told apart by `arch` (the registry is islands/nets/__init__.py) ---
@@ -205,7 +214,38 @@ class AutoencoderKLModel(_Model):
         return self
 
 
-ModelConfig = Annotated[UNetModel | DiTModel | MLPModel | RouterModel | AutoencoderKLModel,
+class DiffusersModel(_Model):
+    """A diffusers denoiser (islands/nets/diffusers_net.py): `class_name` built from `config`, its constructor's
+    arguments (those the data decides, its channels and size, filled in where left out); or the network of the local
+    diffusers folder `pretrained` (config.json and diffusion_pytorch_model.safetensors), whose class and config are
+    read from the folder here and whose weights a new run starts from."""
+
+    arch: Literal["diffusers"] = "diffusers"
+    class_name: Literal[DIFFUSERS_CLASSES] | None = None
+    config: dict[str, Any] = {}
+    pretrained: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.class_name is not None:
+            return self
+        if self.pretrained is None:
+            raise ValueError(f"class_name: give the diffusers class ({', '.join(DIFFUSERS_CLASSES)}) and its "
+                             "model.config, or a diffusers folder as model.pretrained")
+        if self.config:
+            raise ValueError("config: a pretrained network's config is its folder's config.json")
+        from islands.nets.vae_folder import read_config  # the folder's config only, its weights when the run starts
+
+        try:
+            config = read_config(self.pretrained, "diffusers folder", DIFFUSERS_CLASSES)
+        except ValueError as err:
+            raise ValueError(f"pretrained: {err}") from None
+        self.class_name = config["_class_name"]
+        self.config = {k: v for k, v in config.items() if not k.startswith("_")}
+        return self
+
+
+ModelConfig = Annotated[UNetModel | DiTModel | MLPModel | RouterModel | AutoencoderKLModel | DiffusersModel,
                         Field(discriminator="arch")]
 
 
@@ -280,7 +320,8 @@ def _keys_by_kind(tag: str, *variants) -> dict[str, set[str]]:
 VARIANTS = {
     "data": ("source", "mnist5k", _keys_by_kind("source", Mnist5kData, FashionMnistData, FolderData, EmojiData,
                                                  NpzData, ShardsData, GMMData)),
-    "model": ("arch", "unet", _keys_by_kind("arch", UNetModel, DiTModel, MLPModel, RouterModel, AutoencoderKLModel)),
+    "model": ("arch", "unet", _keys_by_kind("arch", UNetModel, DiTModel, MLPModel, RouterModel, AutoencoderKLModel,
+                                             DiffusersModel)),
     "flow": ("path", "rectified_flow", _keys_by_kind("path", ContinuousFlow, DiscreteFlow)),
 }
 
@@ -546,6 +587,9 @@ class Config(Section):
         if self.sample.time_shift is None:  # samples move their times as the training times were moved
             self.sample.time_shift = self.flow.time_shift
         self._condition()
+        if self.model.arch == "diffusers" and getattr(self.flow, "train_steps", 1000) != 1000:
+            raise ValueError(f"flow.train_steps: a diffusers network takes DDPM's timesteps 0-999 (1000 tau); "
+                             f"{self.flow.train_steps} steps would feed it other ones")
         if self.ddm.partition.features is None:
             self.ddm.partition.features = "text" if self.model.condition == "text" else "pixels"
         return self
@@ -555,13 +599,16 @@ class Config(Section):
         model = self.model
         if model.condition is None:
             model.condition = ("class" if model.num_classes else
-                               "text" if model.arch in TEXT_ARCHS and captioned(self.data) else "none")
+                               "text" if reads_text(model) and captioned(self.data) else "none")
         if (model.condition == "class") != (model.num_classes > 0):
             raise ValueError(f"model.condition: {model.condition!r} with model.num_classes={model.num_classes} "
                              "(a class needs num_classes > 0, and only a class does)")
+        if model.arch == "diffusers" and (model.condition == "text") != (model.class_name in DIFFUSERS_TEXT):
+            raise ValueError(f"model.condition: {model.condition!r} for a {model.class_name}; of the diffusers "
+                             f"classes, {', '.join(DIFFUSERS_TEXT)} read a caption (condition text), the others do not")
         if model.condition != "text":
             return
-        if model.arch not in TEXT_ARCHS:
+        if not reads_text(model):
             raise ValueError(f"model.condition: text is read by {', '.join(TEXT_ARCHS)} networks, not "
                              f"{model.arch!r}")
         if model.text_width is None or model.text_pooled_width is None:

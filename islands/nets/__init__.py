@@ -53,9 +53,15 @@ def _autoencoder_kl(cfg, shape: tuple, num_classes: int) -> nn.Module:
                                            shape[1]))
 
 
+def _diffusers(cfg, shape: tuple, num_classes: int) -> nn.Module:
+    from islands.nets.diffusers_net import build_diffusers  # imports diffusers (about 2 s)
+
+    return build_diffusers(cfg.class_name, cfg.config, shape, num_classes, text_widths(cfg))
+
+
 # model.arch -> (builder, the example shapes it takes: "vectors", "images" or "any")
 NETWORKS = {"unet": (_unet, "images"), "dit": (_dit, "images"), "mlp": (_mlp, "vectors"), "router": (_router, "any"),
-            "autoencoder_kl": (_autoencoder_kl, "images")}
+            "autoencoder_kl": (_autoencoder_kl, "images"), "diffusers": (_diffusers, "images")}
 
 
 def build_network(cfg, shape: tuple[int, ...], num_classes: int) -> nn.Module:

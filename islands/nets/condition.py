@@ -15,15 +15,14 @@ import torch
 from torch import Tensor, nn
 
 
-class ClassCondition(nn.Module):
-    """A class index in [0, num_classes): an embedding table with one extra row, index `num_classes`, for none."""
+class ClassLabels:
+    """A class index in [0, num_classes), and `num_classes` for none: what a network that embeds its classes itself
+    (a diffusers network, islands/nets/diffusers_net.py) is told."""
 
     kind = "class"
 
-    def __init__(self, num_classes: int, hidden_size: int):
-        super().__init__()
+    def __init__(self, num_classes: int):
         self.num_classes = num_classes
-        self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)  # the weight name checkpoints hold
 
     def null(self, batch: int, device) -> Tensor:
         """No class, for `batch` examples."""
@@ -36,6 +35,15 @@ class ClassCondition(nn.Module):
     def drop(self, condition: Tensor, dropped: Tensor) -> Tensor:
         """`condition` with the examples where `dropped` is True made none."""
         return torch.where(dropped, torch.full_like(condition, self.num_classes), condition)
+
+
+class ClassCondition(ClassLabels, nn.Module):
+    """Class labels embedded by a table with one extra row, index `num_classes`, for none."""
+
+    def __init__(self, num_classes: int, hidden_size: int):
+        nn.Module.__init__(self)
+        ClassLabels.__init__(self, num_classes)
+        self.embedding_table = nn.Embedding(num_classes + 1, hidden_size)  # the weight name checkpoints hold
 
     def embed(self, condition: Tensor | None, batch: int, device) -> Tensor:
         """(batch, hidden_size): each example's class, or the none row."""
@@ -70,28 +78,17 @@ class TextWidths:
     tokens: int
 
 
-class TextCondition(nn.Module):
-    """A caption, packed by `pack_text`: its pooled vector joins the timestep's embedding (SD3's adaLN input), its
-    token states are the context that cross-attention reads (PixArt-alpha). A dropped caption is a learned null (a
-    pooled vector and one token, PixArt-alpha's learned `y_embedding`), not the empty caption's embedding, so the
-    network alone knows what "none" is and sampling needs no text encoder for the unconditional branch."""
+class PackedCaption:
+    """What every reader of a packed caption (`pack_text`) shares: its "none", its dropout, and the caption's parts
+    with a dropped one's replaced by the learned null (a pooled vector and one token, PixArt-alpha's learned
+    `y_embedding`), not the empty caption's embedding, so that the network alone knows what "none" is and sampling
+    needs no text encoder for the unconditional branch. Needs `widths`, `width`, `pooled_width`, `depth` and the
+    nulls it reads (`null_pooled`, `null_token`)."""
 
     kind = "text"
 
-    def __init__(self, widths: TextWidths, hidden_size: int, tokens: bool = True):
-        super().__init__()
-        width, pooled_width = widths.width, widths.pooled_width
-        self.widths, self.width, self.pooled_width = widths, width, pooled_width
-        self.depth = max(width, pooled_width)
-        self.pooled = nn.Sequential(nn.Linear(pooled_width, hidden_size), nn.SiLU(),
-                                    nn.Linear(hidden_size, hidden_size))
-        self.null_pooled = nn.Parameter(torch.zeros(pooled_width))
-        if tokens:  # a network that reads the pooled vector alone (a router) holds no parameter it never uses
-            self.tokens = nn.Sequential(nn.Linear(width, hidden_size), nn.GELU(), nn.Linear(hidden_size, hidden_size))
-            self.null_token = nn.Parameter(torch.zeros(width))
-
     def null(self, batch: int, device) -> Tensor:
-        """No caption, for `batch` examples (one empty token row: `context` puts the learned null there)."""
+        """No caption, for `batch` examples (one empty token row: `given_tokens` puts the learned null there)."""
         return torch.zeros(batch, 2, self.depth + 1, device=device)
 
     def or_null(self, condition: Tensor | None, batch: int, device) -> Tensor:
@@ -109,16 +106,15 @@ class TextCondition(nn.Module):
         out[:, 0, self.depth] = condition[:, 0, self.depth] * (~dropped).to(condition.dtype)
         return out
 
-    def embed(self, condition: Tensor | None, batch: int, device) -> Tensor:
-        """(batch, hidden_size): each caption's pooled vector, or the learned null's, through the projection."""
+    def given_pooled(self, condition: Tensor | None, batch: int, device) -> Tensor:
+        """(batch, pooled_width): each caption's pooled vector, or the learned null's."""
         condition = self.or_null(condition, batch, device)
         given = condition[:, 0, self.depth:].to(self.null_pooled.dtype)  # (batch, 1)
-        pooled = given * condition[:, 0, :self.pooled_width] + (1 - given) * self.null_pooled
-        return self.pooled(pooled)
+        return given * condition[:, 0, :self.pooled_width] + (1 - given) * self.null_pooled
 
-    def context(self, condition: Tensor | None, batch: int, device) -> tuple[Tensor, Tensor]:
-        """(tokens (batch, L, hidden_size), mask (batch, L) bool): each caption's token states through the
-        projection; a dropped caption reads the learned null token alone."""
+    def given_tokens(self, condition: Tensor | None, batch: int, device) -> tuple[Tensor, Tensor]:
+        """(states (batch, L, width), mask (batch, L) bool): each caption's token states; a dropped caption is the
+        learned null token alone."""
         condition = self.or_null(condition, batch, device)
         given = condition[:, :1, self.depth:].to(self.null_token.dtype)  # (batch, 1, 1)
         states = condition[:, 1:, :self.width]
@@ -127,10 +123,51 @@ class TextCondition(nn.Module):
         mask = condition[:, 1:, self.depth] > 0.5
         first = torch.zeros_like(mask)
         first[:, 0] = True
-        return self.tokens(given * states + (1 - given) * null), torch.where(given[:, :, 0] > 0.5, mask, first)
+        return given * states + (1 - given) * null, torch.where(given[:, :, 0] > 0.5, mask, first)
+
+
+class TextCondition(PackedCaption, nn.Module):
+    """A caption, packed by `pack_text`: its pooled vector joins the timestep's embedding (SD3's adaLN input), its
+    token states are the context that cross-attention reads (PixArt-alpha), each through a projection of its own."""
+
+    def __init__(self, widths: TextWidths, hidden_size: int, tokens: bool = True):
+        super().__init__()
+        width, pooled_width = widths.width, widths.pooled_width
+        self.widths, self.width, self.pooled_width = widths, width, pooled_width
+        self.depth = max(width, pooled_width)
+        self.pooled = nn.Sequential(nn.Linear(pooled_width, hidden_size), nn.SiLU(),
+                                    nn.Linear(hidden_size, hidden_size))
+        self.null_pooled = nn.Parameter(torch.zeros(pooled_width))
+        if tokens:  # a network that reads the pooled vector alone (a router) holds no parameter it never uses
+            self.tokens = nn.Sequential(nn.Linear(width, hidden_size), nn.GELU(), nn.Linear(hidden_size, hidden_size))
+            self.null_token = nn.Parameter(torch.zeros(width))
+
+    def embed(self, condition: Tensor | None, batch: int, device) -> Tensor:
+        """(batch, hidden_size): each caption's pooled vector, or the learned null's, through the projection."""
+        return self.pooled(self.given_pooled(condition, batch, device))
+
+    def context(self, condition: Tensor | None, batch: int, device) -> tuple[Tensor, Tensor]:
+        """(tokens (batch, L, hidden_size), mask (batch, L) bool): each caption's token states through the
+        projection; a dropped caption reads the learned null token alone."""
+        states, mask = self.given_tokens(condition, batch, device)
+        return self.tokens(states), mask
 
     def forward(self, condition: Tensor) -> Tensor:
         return self.embed(condition, condition.shape[0], condition.device)
+
+
+class TextNull(PackedCaption, nn.Module):
+    """A caption passed on as its encoder gave it, to a network that projects it itself (a diffusers network): only
+    the learned null, in the encoder's own space, for the parts the network reads."""
+
+    def __init__(self, widths: TextWidths, pooled: bool = True, tokens: bool = True):
+        super().__init__()
+        self.widths, self.width, self.pooled_width = widths, widths.width, widths.pooled_width
+        self.depth = max(widths.width, widths.pooled_width)
+        if pooled:  # only the parts read: DDP wants a gradient for every parameter
+            self.null_pooled = nn.Parameter(torch.zeros(widths.pooled_width))
+        if tokens:
+            self.null_token = nn.Parameter(torch.zeros(widths.width))
 
 
 class Conditioned:

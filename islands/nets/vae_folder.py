@@ -24,35 +24,46 @@ CONFIG, WEIGHTS = "config.json", "diffusion_pytorch_model.safetensors"
 PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-def _inside(folder: Path, name: str) -> Path:
+def _inside(folder: Path, name: str, what: str) -> Path:
     """folder/name, refused unless it is a file that lies in the folder (a link out of it is not)."""
     path = folder / name
     if not path.is_file():
         pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLED) if folder.is_dir() else []
         if name == WEIGHTS and pickled:
-            raise DataError(f"autoencoder folder {folder} holds pickled weights only ({', '.join(pickled)}); "
+            raise DataError(f"{what} {folder} holds pickled weights only ({', '.join(pickled)}); "
                             f"Islands reads safetensors only: convert them to {WEIGHTS}")
-        raise DataError(f"autoencoder folder {folder}: {name} is missing (the layout of diffusers' save_pretrained: "
+        raise DataError(f"{what} {folder}: {name} is missing (the layout of diffusers' save_pretrained: "
                         f"{CONFIG} and {WEIGHTS})")
     if path.resolve().parent != folder.resolve():
-        raise DataError(f"autoencoder folder {folder}: {name} leads out of the folder (to {path.resolve()})")
+        raise DataError(f"{what} {folder}: {name} leads out of the folder (to {path.resolve()})")
     return path
 
 
-def read_folder(folder: str | Path) -> tuple[dict, bytes, str]:
-    """(config, the weights' bytes, their sha256) of an autoencoder folder, checked as far as reading goes."""
+def read_config(folder: str | Path, what: str = "autoencoder folder",
+                classes: tuple[str, ...] = ("AutoencoderKL",)) -> dict:
+    """The config of a diffusers folder (`what`: an autoencoder's, by default) that holds its weights in safetensors,
+    refused unless it names one of `classes` (a folder of one class may leave it unnamed)."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise DataError(f"autoencoder folder {folder} does not exist or is not a folder")
-    config_path, weights_path = _inside(folder, CONFIG), _inside(folder, WEIGHTS)
+        raise DataError(f"{what} {folder} does not exist or is not a folder")
+    config_path, _ = _inside(folder, CONFIG, what), _inside(folder, WEIGHTS, what)
     try:
         config = json.loads(config_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise DataError(f"autoencoder folder {folder}: {CONFIG} is not readable JSON ({err})") from None
-    if not isinstance(config, dict) or config.get("_class_name", "AutoencoderKL") != "AutoencoderKL":
+        raise DataError(f"{what} {folder}: {CONFIG} is not readable JSON ({err})") from None
+    unnamed = classes[0] if len(classes) == 1 else None
+    if not isinstance(config, dict) or config.get("_class_name", unnamed) not in classes:
         kind = config.get("_class_name") if isinstance(config, dict) else type(config).__name__
-        raise DataError(f"autoencoder folder {folder}: {CONFIG} describes {kind!r}, not an AutoencoderKL")
-    weights = weights_path.read_bytes()
+        expected = f"an {classes[0]}" if len(classes) == 1 else f"one of {', '.join(classes)}"
+        raise DataError(f"{what} {folder}: {CONFIG} describes {kind!r}, not {expected}")
+    return config
+
+
+def read_folder(folder: str | Path, what: str = "autoencoder folder",
+                classes: tuple[str, ...] = ("AutoencoderKL",)) -> tuple[dict, bytes, str]:
+    """(config, the weights' bytes, their sha256) of a diffusers folder, checked as `read_config` checks it."""
+    config = read_config(folder, what, classes)
+    weights = _inside(Path(folder), WEIGHTS, what).read_bytes()
     return config, weights, hashlib.sha256(weights).hexdigest()
 
 

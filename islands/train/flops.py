@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from islands.data.batch import Batch
 from islands.nets import build_network
-from islands.nets.condition import TextCondition
+from islands.nets.condition import PackedCaption
 from islands.parallel.activation_checkpointing import checkpoint_blocks
 
 
@@ -42,7 +42,7 @@ def _replay(model, shape, num_classes, objective, micro_batch, checkpointing, de
         x = torch.zeros(micro_batch, *shape, device=device)
         zeros = torch.zeros(micro_batch, dtype=torch.long, device=device)  # class 0, cluster 0
         # a caption of the most tokens, which cross-attention is priced at
-        cond = net.condition.placeholder(micro_batch, device) if isinstance(net.condition, TextCondition) else zeros
+        cond = net.condition.placeholder(micro_batch, device) if isinstance(net.condition, PackedCaption) else zeros
         with FlopCounterMode(display=False) as counter:
             objective(net, Batch(x, cond, torch.arange(micro_batch), cluster=zeros)).mean().backward()
     return counter.get_total_flops() / micro_batch

@@ -13,7 +13,7 @@ from islands.data import ClusterSubset, build_data, data_name
 from islands.data.clusters import read_clusters
 from islands.data.sources import Source
 from islands.data.space import PIXELS, DataSpace
-from islands.errors import CheckpointError, ConfigError, IslandsWarning, config_errors
+from islands.errors import CheckpointError, ConfigError, DataError, IslandsWarning, config_errors
 from islands.generate import network_with_weights
 from islands.nets import build_network
 from islands.nets.dit import DiT, interpolated_pos_embed
@@ -196,6 +196,13 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
 
     with config_errors("model"):
         net = build_network(cfg.model, shape, num_classes).to(world.device)
+    if getattr(cfg.model, "pretrained", None) and latest_checkpoint(run_dir) is None:  # a diffusers folder's weights
+        from islands.nets.diffusers_net import load_pretrained
+
+        try:
+            load_pretrained(net, cfg.model.pretrained)
+        except DataError as err:
+            raise DataError(f"model.pretrained: {err}") from None
     if train.init_from and latest_checkpoint(run_dir) is None:  # a resume reads its own weights instead
         start_from(net, Path(train.init_from))
     if train.objective == "distill" and teacher is None:  # the ensemble belongs to an outer layer, which builds it
