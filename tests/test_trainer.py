@@ -101,7 +101,7 @@ def test_bf16_on_a_cpu_that_emulates_it_is_named_with_its_fix(tmp_path, image_np
     ({"data": {"source": "folder", "resolution": 8}}, "data.path: required key is missing"),
     ({"model": {"arch": "mlp", "patch_size": 2}}, "model.patch_size: not used when arch is 'mlp'"),
     ({"model": {"arch": "vit"}},
-     "model.arch: must be one of 'unet', 'dit', 'mlp', 'router', 'autoencoder_kl' (got 'vit')"),
+     "model.arch: must be one of 'unet', 'dit', 'mlp', 'router', 'autoencoder_kl', 'diffusers' (got 'vit')"),
     ({"model": {"channel": 8}}, "model.channel: unknown key"),
 ])
 def test_a_key_of_another_kind_is_refused_by_the_schema(raw, message):
