@@ -141,7 +141,7 @@ def draw(text: str, font: ImageFont.FreeTypeFont, resolution: int, background: i
     image = square.convert("RGB")
     if side != resolution:
         image = image.resize((resolution, resolution), Image.Resampling.LANCZOS)
-    return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
+    return np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
 
 
 class EmojiSource(_ArraySource):

@@ -122,7 +122,9 @@ class _ArraySource(Source):
 
     def __init__(self, data, labels, num_classes, flip=False):
         assert labels is None or len(labels) == len(data)
-        self.data = data  # uint8 (scaled on the fly) or float32 (ready to use)
+        # uint8 (scaled on the fly) or float32 (ready to use); in row-major order whatever made it, since a batch
+        # laid out channels-last takes other convolution kernels and trains to other weights
+        self.data = data.contiguous()
         self.labels = labels
         self.shape = tuple(data.shape[1:])
         self.num_classes = num_classes
