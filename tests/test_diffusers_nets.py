@@ -3,6 +3,7 @@ what the diffusers model computes when called by hand with its own timestep scal
 resumes bit-identically, over 2 ranks as in 1 process, starts from a pretrained folder read as untrusted, and joins an
 ensemble."""
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -190,6 +191,9 @@ def test_a_run_starts_from_a_pretrained_folder(tmp_path, image_npz, capsys):
     assert all(torch.equal(v, weights[k]) for k, v in net.diffusers_state_dict().items())
 
     assert main(["train", write_config(tmp_path / "run.yaml", cfg), "--quiet"]) == 0
+    record = json.loads((tmp_path / "run" / "pretrained.json").read_text())  # what it started from, by hash
+    digest = hashlib.sha256((tmp_path / "pretrained" / "diffusion_pytorch_model.safetensors").read_bytes())
+    assert record == {"pretrained": str(tmp_path / "pretrained"), "sha256": digest.hexdigest()}
     trained = load_weights(latest_checkpoint(tmp_path / "run") / "model.safetensors")
     net.load_state_dict(trained)
     started = net.diffusers_state_dict()  # a step of 1e-9 from the folder's weights

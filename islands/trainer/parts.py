@@ -1,6 +1,7 @@
 """The parts of a run, built from its config: strategy, data, network, wrapped model, optimizer, EMA, loss scaler
 and objective; resumed from the run directory's latest checkpoint; written into a new one."""
 
+import json
 import pickle
 import warnings
 from dataclasses import asdict, dataclass
@@ -21,6 +22,7 @@ from islands.parallel.build import build_strategy
 from islands.parallel.launch import World, warn_if_bf16_is_slow
 from islands.parallel.strategies import Strategy
 from islands.rundir import (
+    atomic_write_text,
     latest_checkpoint,
     list_checkpoints,
     load_weights,
@@ -36,6 +38,8 @@ from islands.train.checkpoint import adam_state, read_sharded, write_checkpoint
 from islands.train.ema import EMA
 from islands.train.latents import open_data_space, record_data_space
 from islands.train.objectives import Objective, build_objective
+
+PRETRAINED = "pretrained.json"  # RUN/pretrained.json: the diffusers folder a run started from and its weights' sha256
 
 
 @dataclass
@@ -196,11 +200,12 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
 
     with config_errors("model"):
         net = build_network(cfg.model, shape, num_classes).to(world.device)
-    if getattr(cfg.model, "pretrained", None) and latest_checkpoint(run_dir) is None:  # a diffusers folder's weights
+    pretrained = None  # the sha256 of a diffusers folder's weights the run starts from
+    if getattr(cfg.model, "pretrained", None) and latest_checkpoint(run_dir) is None:
         from islands.nets.diffusers_net import load_pretrained
 
         try:
-            load_pretrained(net, cfg.model.pretrained)
+            pretrained = load_pretrained(net, cfg.model.pretrained)
         except DataError as err:
             raise DataError(f"model.pretrained: {err}") from None
     if train.init_from and latest_checkpoint(run_dir) is None:  # a resume reads its own weights instead
@@ -222,6 +227,9 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
         write_model_description(run_dir, shape, num_classes)
         record_data_space(cfg, run_dir, space)
         record_text_encoder(cfg, run_dir, source)
+        if pretrained is not None:  # what the run started from, as it read it
+            atomic_write_text(run_dir / PRETRAINED, json.dumps({"pretrained": cfg.model.pretrained,
+                                                               "sha256": pretrained}, indent=1))
     return Parts(cfg, world, strategy, run_dir, source, shape, num_classes, net, model, opt, ema, scaler, objective,
                  space)
 
