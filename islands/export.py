@@ -21,7 +21,7 @@ import yaml
 
 from islands import __version__
 from islands.data.shards import file_sha256
-from islands.errors import ConfigError
+from islands.errors import CheckpointError, ConfigError
 from islands.generate import load_denoiser
 from islands.rundir import CONFIG, describe_run, latest_checkpoint, weights_file
 
@@ -75,7 +75,10 @@ def export_run(run_dir: Path, out: Path) -> Path:
         raise ConfigError(f"model.arch: {cfg.model.arch!r} is Islands' own network, which no diffusers class holds; "
                           f"train with model.arch: diffusers to export to diffusers")
     scheduler = scheduler_for(cfg)
+    ckpt = latest_checkpoint(run_dir)
     denoiser, cfg, _ = load_denoiser(run_dir, use_ema=True)
+    if latest_checkpoint(run_dir) != ckpt:  # the run is training: the record must name the weights exported
+        raise CheckpointError(f"{run_dir} wrote a new checkpoint while it was read; export again")
     net = denoiser.net
     model = getattr(diffusers, net.class_name)(**net.diffusers_config)
     model.load_state_dict(net.diffusers_state_dict())  # strict: every weight under its diffusers name
@@ -89,7 +92,6 @@ def export_run(run_dir: Path, out: Path) -> Path:
     (building / "model_index.json").write_text(json.dumps(
         {"_class_name": PIPELINE.get(net.class_name, "DiffusionPipeline"), "_diffusers_version": diffusers.__version__,
          component: ["diffusers", net.class_name], "scheduler": ["diffusers", type(scheduler).__name__]}, indent=2))
-    ckpt = latest_checkpoint(run_dir)
     record = {"islands_version": __version__, "run_dir": str(run_dir), "checkpoint": ckpt.name,
               "weights": weights_file(ckpt, True).name, "config_sha256": file_sha256(run_dir / CONFIG),
               "config": yaml.safe_load((run_dir / CONFIG).read_text()),
