@@ -15,8 +15,11 @@ from conftest import tiny_unet_config, write_config
 from test_diffusers_nets import model_config
 
 from islands.cli import main
+from islands.config import validate
 from islands.data import streams
 from islands.data.shards import file_sha256
+from islands.errors import ConfigError
+from islands.export import scheduler_for
 from islands.flow.paths import build_path
 from islands.generate import load_denoiser
 from islands.rundir import describe_run
@@ -169,3 +172,17 @@ def test_export_refuses_in_one_line_and_overwrites_nothing(trained, tmp_path, im
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
     assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "b")]) == 2
     assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_the_scheduler_has_the_runs_betas_and_a_path_no_scheduler_steps_is_refused_by_name():
+    def scheduler(**flow):
+        return scheduler_for(validate({"run_dir": ".", "model": model_config("UNet2DModel"), "flow": flow}))
+
+    linear = scheduler(path="vp_discrete", prediction="x0")
+    assert linear.config.prediction_type == "sample" and not linear.config.clip_sample
+    np.testing.assert_allclose(linear.alphas_cumprod.numpy(), build_path("vp_discrete").alphas_cumprod.numpy(),
+                               rtol=1e-4)
+    with pytest.raises(ConfigError, match="flow.path: 'cosine'"):
+        scheduler(path="cosine", prediction="epsilon")
+    with pytest.raises(ConfigError, match="flow.prediction: 'epsilon'"):
+        scheduler(path="rectified_flow", prediction="epsilon")
