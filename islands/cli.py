@@ -303,6 +303,13 @@ def _report(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from islands.export import export_run
+
+    print(f"wrote {export_run(Path(args.run_dir), Path(args.out))}")
+    return 0
+
+
 def _ensemble_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML config with a ddm section; its run_dir is the ensemble directory")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
@@ -477,6 +484,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="the page to write (default TARGET/report.html); only a report written before is "
                                  "replaced")
     p.set_defaults(func=_report)
+
+    p = sub.add_parser("export", help="write a run as a folder diffusers loads without Islands",
+                       description="Write the run's network (model.arch: diffusers) as its own diffusers class with "
+                                   "the latest checkpoint's EMA weights, the scheduler of its path, a model_index.json "
+                                   "and islands_export.json (the run's config, the weights' sha256).")
+    p.add_argument("run_dir", help="a run directory trained with model.arch: diffusers")
+    p.add_argument("out", help="the folder to write; it must not exist or be empty")
+    p.set_defaults(func=_export)
     return parser
 
 

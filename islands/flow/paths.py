@@ -177,7 +177,7 @@ class VPDiscrete(Path):
             betas = (1 - alpha_bar[1:] / alpha_bar[:-1]).clamp(max=0.999)
         else:
             raise ValueError(f"unknown beta_schedule {beta_schedule!r}; choose from {BETA_SCHEDULES}")
-        self.beta_schedule, self.steps = beta_schedule, train_steps
+        self.beta_schedule, self.steps, self.betas = beta_schedule, train_steps, betas
         self.alphas_cumprod = torch.cumprod(1 - betas, 0)
         self._log_alpha_bar = torch.log(self.alphas_cumprod)
         self._tables = {}  # log alpha_bar per (device, dtype), copied once

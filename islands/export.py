@@ -1,0 +1,103 @@
+"""A run as a folder diffusers loads on its own (`islands export RUN OUT/`).
+
+OUT/unet/ or OUT/transformer/ holds the run's network as its own diffusers class (`save_pretrained`, safetensors),
+with the EMA weights of the latest checkpoint, the ones `islands sample` draws with; OUT/scheduler/ the diffusers
+scheduler of the run's path; OUT/model_index.json names both, as a diffusers pipeline folder does; and
+OUT/islands_export.json records where they came from (the run's config, Islands' version, each weights file's
+sha256). Only `model.arch: diffusers` runs export: Islands' own networks have no diffusers class.
+
+The scheduler's times are those of the run's path: a rectified-flow network's velocity eps - x0 at sigma = t is
+what FlowMatchEulerDiscreteScheduler steps with, and a `vp_discrete` network's steps 0-999 are DDPMScheduler's with
+the same betas. Islands' Euler grid is linspace(1, 0, steps + 1) shifted by sample.time_shift; diffusers' own default
+grid ends at sigma 1 / 1000 instead of 0, so the same samples take `scheduler.set_timesteps(sigmas=grid[:-1])`
+(tests/test_export.py).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+
+from islands import __version__
+from islands.data.shards import file_sha256
+from islands.errors import CheckpointError, ConfigError
+from islands.generate import load_denoiser
+from islands.rundir import CONFIG, describe_run, latest_checkpoint, weights_file
+
+# the folder each class's pipelines read it from
+COMPONENT = {"UNet2DModel": "unet", "UNet2DConditionModel": "unet", "DiTTransformer2DModel": "transformer",
+             "SD3Transformer2DModel": "transformer", "FluxTransformer2DModel": "transformer"}
+# The diffusers pipeline that takes a network and a scheduler alone, where there is one: DiffusionPipeline's
+# from_pretrained then loads the folder whole. The others' pipelines also want an autoencoder or text encoders; their
+# folders are loaded a component at a time (`from_pretrained(OUT, subfolder=...)`).
+PIPELINE = {"UNet2DModel": "DDPMPipeline"}
+RECORD = "islands_export.json"
+
+
+def scheduler_for(cfg):
+    """The diffusers scheduler that steps the run's network as Islands' path defines it; ConfigError where none
+    does."""
+    import diffusers
+
+    flow = cfg.flow
+    if flow.path == "rectified_flow":
+        if flow.prediction != "velocity":
+            raise ConfigError(f"flow.prediction: {flow.prediction!r}; diffusers' flow-matching scheduler steps with "
+                              f"the velocity a rectified-flow network predicts, so export takes velocity runs")
+        return diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=cfg.sample.time_shift or 1.0)
+    if flow.path == "vp_discrete":
+        prediction = {"epsilon": "epsilon", "x0": "sample"}[flow.prediction]
+        if flow.beta_schedule == "linear":  # islands/flow/paths.py VPDiscrete: DDPM's 1e-4 to 0.02
+            betas = {"beta_schedule": "linear", "beta_start": 1e-4, "beta_end": 0.02}
+        else:  # the path's own cosine betas, exactly as Islands trained on them
+            from islands.flow.paths import build_path
+
+            betas = {"trained_betas": build_path("vp_discrete", **flow.path_options()).betas.tolist()}
+        # Islands never clips its data prediction; DPMSolverMultistepScheduler.from_config(this config) and
+        # DDIMScheduler.from_config read the same betas, for fewer steps.
+        return diffusers.DDPMScheduler(num_train_timesteps=flow.train_steps, prediction_type=prediction,
+                                       clip_sample=False, **betas)
+    raise ConfigError(f"flow.path: {flow.path!r} has no diffusers scheduler that steps it as Islands does; export "
+                      f"takes rectified_flow and vp_discrete runs")
+
+
+def export_run(run_dir: Path, out: Path) -> Path:
+    """Write the diffusers folder of the run `run_dir` at `out` (which must not exist, or be an empty folder): built
+    beside it and renamed into place, so a failed export leaves nothing behind."""
+    import diffusers
+
+    run_dir, out = Path(run_dir), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out}: already exists and is not an empty folder; export writes a new one")
+    cfg, _ = describe_run(run_dir)
+    if cfg.model.arch != "diffusers":
+        raise ConfigError(f"model.arch: {cfg.model.arch!r} is Islands' own network, which no diffusers class holds; "
+                          f"train with model.arch: diffusers to export to diffusers")
+    scheduler = scheduler_for(cfg)
+    ckpt = latest_checkpoint(run_dir)
+    denoiser, cfg, _ = load_denoiser(run_dir, use_ema=True)
+    if latest_checkpoint(run_dir) != ckpt:  # the run is training: the record must name the weights exported
+        raise CheckpointError(f"{run_dir} wrote a new checkpoint while it was read; export again")
+    net = denoiser.net
+    model = getattr(diffusers, net.class_name)(**net.diffusers_config)
+    model.load_state_dict(net.diffusers_state_dict())  # strict: every weight under its diffusers name
+    component = COMPONENT[net.class_name]
+
+    building = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(building, ignore_errors=True)  # a partial one left by an export that was killed
+    building.mkdir(parents=True)
+    model.save_pretrained(building / component, safe_serialization=True)
+    scheduler.save_pretrained(building / "scheduler")
+    (building / "model_index.json").write_text(json.dumps(
+        {"_class_name": PIPELINE.get(net.class_name, "DiffusionPipeline"), "_diffusers_version": diffusers.__version__,
+         component: ["diffusers", net.class_name], "scheduler": ["diffusers", type(scheduler).__name__]}, indent=2))
+    record = {"islands_version": __version__, "run_dir": str(run_dir), "checkpoint": ckpt.name,
+              "weights": weights_file(ckpt, True).name, "config_sha256": file_sha256(run_dir / CONFIG),
+              "config": yaml.safe_load((run_dir / CONFIG).read_text()),
+              "files": {str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*.safetensors"))}}
+    (building / RECORD).write_text(json.dumps(record, indent=2))
+    if out.exists():
+        out.rmdir()
+    building.rename(out)
+    return out

@@ -1,0 +1,188 @@
+"""`islands export RUN OUT/` (islands/export.py): the folder loads with plain diffusers in a process where Islands
+cannot be imported, and its network and scheduler, stepped from the noise `islands sample` draws, give the samples
+`islands sample` gives."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_unet_config, write_config
+from test_diffusers_nets import model_config
+
+from islands.cli import main
+from islands.config import validate
+from islands.data import streams
+from islands.data.shards import file_sha256
+from islands.errors import ConfigError
+from islands.export import scheduler_for
+from islands.flow.paths import build_path
+from islands.generate import load_denoiser
+from islands.rundir import describe_run
+
+# No Islands in the process that reads the folder: every import of it fails.
+WITHOUT_ISLANDS = textwrap.dedent("""
+    import sys
+
+    class NoIslands:
+        def find_spec(self, name, path=None, target=None):
+            if name == "islands" or name.startswith("islands."):
+                raise ImportError("Islands is not installed here")
+
+    sys.meta_path.insert(0, NoIslands())
+    for name in [m for m in sys.modules if m == "islands" or m.startswith("islands.")]:
+        del sys.modules[name]
+    try:  # installed in this environment, and yet out of reach
+        import islands
+        raise SystemExit("islands was imported")
+    except ImportError:
+        pass
+    import diffusers, numpy as np, torch
+    torch.set_num_threads(1)
+    out, work = sys.argv[1], sys.argv[2]
+""")
+
+# Islands' Euler sampler (sample.solver euler, guidance 1) as a diffusers loop: the scheduler's sigmas set to Islands'
+# grid, linspace(1, 0, steps + 1) without its final 0, which the scheduler appends (it shifts them itself).
+FLOW_MATCH_LOOP = WITHOUT_ISLANDS + textwrap.dedent("""
+    model = diffusers.DiTTransformer2DModel.from_pretrained(out, subfolder="transformer").eval()
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(out, subfolder="scheduler")
+    x, labels = torch.from_numpy(np.load(f"{work}/noise.npy")), torch.from_numpy(np.load(f"{work}/labels.npy"))
+    scheduler.set_timesteps(sigmas=np.linspace(1, 0, int(sys.argv[3]) + 1)[:-1])
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            velocity = model(x, t.expand(len(x)), class_labels=labels).sample[:, :x.shape[1]]
+            x = scheduler.step(velocity, t, x).prev_sample
+    assert not any(m == "islands" or m.startswith("islands.") for m in sys.modules)
+    np.save(f"{work}/diffusers.npy", x.numpy())
+""")
+
+# A DDPM network's epsilon at the scheduler's own steps, and the scheduler's alphas_cumprod.
+EPSILON_AT_STEPS = WITHOUT_ISLANDS + textwrap.dedent("""
+    model = diffusers.UNet2DModel.from_pretrained(out, subfolder="unet").eval()
+    scheduler = diffusers.DDPMScheduler.from_pretrained(out, subfolder="scheduler")
+    x, labels = torch.from_numpy(np.load(f"{work}/x.npy")), torch.from_numpy(np.load(f"{work}/labels.npy"))
+    steps = torch.from_numpy(np.load(f"{work}/steps.npy"))
+    with torch.no_grad():
+        eps = model(x, steps, class_labels=labels).sample
+    np.save(f"{work}/diffusers.npy", eps.numpy())
+    np.save(f"{work}/alphas_cumprod.npy", scheduler.alphas_cumprod.numpy())
+    pipeline = diffusers.DiffusionPipeline.from_pretrained(out)  # the folder whole, as diffusers' DDPM folders load
+    loaded = [type(m).__name__ for m in (pipeline, pipeline.unet, pipeline.scheduler)]
+    assert loaded == ["DDPMPipeline", "UNet2DModel", "DDPMScheduler"], loaded
+    ddim = diffusers.DDIMScheduler.from_config(scheduler.config)  # its deterministic sampler, on the same betas
+    ddim.set_timesteps(2)  # steps of 1000 // 2: from 800 to 300
+    with torch.no_grad():
+        step = ddim.step(model(x, 800, class_labels=labels).sample, 800, x).prev_sample
+    np.save(f"{work}/ddim.npy", step.numpy())
+""")
+
+
+def run_without_islands(script: str, *argv) -> None:
+    done = subprocess.run([sys.executable, "-c", script, *map(str, argv)], capture_output=True, text=True,
+                          timeout=240, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture
+def trained(tmp_path, image_npz):
+    """A tiny class-conditional run of a diffusers class, trained for a few steps."""
+    def run(class_name: str, flow: dict | None = None) -> Path:
+        cfg = tiny_unet_config(tmp_path / "run", image_npz, train={"images": 32, "checkpoint_every": 32,
+                                                                  "sample_every": 0, "warmup_images": 16})
+        cfg["model"] = model_config(class_name, 4)
+        if flow:
+            cfg["flow"] = flow
+        assert main(["train", write_config(tmp_path / "run.yaml", cfg), "--quiet"]) == 0
+        return tmp_path / "run"
+    return run
+
+
+def test_a_rectified_flow_dit_samples_in_plain_diffusers_as_islands_samples_it(trained, tmp_path, capsys):
+    torch.set_num_threads(1)
+    run = trained("DiTTransformer2DModel", {"time_shift": 2.0})  # sampled on the grid shifted alike
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    num, steps = 4, 6
+    assert main(["sample", str(run), "--num", str(num), "--steps", str(steps), "--solver", "euler",
+                 "--guidance", "1", "--out", str(tmp_path / "drawn"), "--quiet"]) == 0
+    islands = np.load(tmp_path / "drawn" / "samples.npz")
+    cfg, info = describe_run(run)
+    noise = streams.normal(cfg.seed, list(range(num)), tuple(info["shape"]), "sample")  # as islands/generate.py
+    np.save(tmp_path / "noise.npy", noise.numpy())
+    np.save(tmp_path / "labels.npy", islands["y"])
+    run_without_islands(FLOW_MATCH_LOOP, tmp_path / "out", tmp_path, steps)
+    drawn = np.load(tmp_path / "diffusers.npy")
+    assert (np.abs(drawn) < 1).mean() > 0.5  # most values are not clamped: the comparison sees them
+    np.testing.assert_allclose(drawn.clip(-1, 1), islands["x"], atol=1e-4)
+
+    record = json.loads((tmp_path / "out" / "islands_export.json").read_text())
+    weights = tmp_path / "out" / "transformer" / "diffusion_pytorch_model.safetensors"
+    assert record["files"] == {"transformer/diffusion_pytorch_model.safetensors": file_sha256(weights)}
+    assert record["weights"] == "ema.safetensors" and record["config"]["model"]["class_name"] == "DiTTransformer2DModel"
+    index = json.loads((tmp_path / "out" / "model_index.json").read_text())
+    assert index["transformer"] == ["diffusers", "DiTTransformer2DModel"]
+    assert index["scheduler"] == ["diffusers", "FlowMatchEulerDiscreteScheduler"]
+    assert json.loads((tmp_path / "out" / "scheduler" / "scheduler_config.json").read_text())["shift"] == 2.0
+
+
+def test_a_ddpm_unet_predicts_and_steps_in_plain_diffusers_as_in_islands(trained, tmp_path, capsys):
+    """Islands samples a vp_discrete network by an ODE on its canonical frame through fractional steps (its uniform
+    grid in canonical time), which no diffusers scheduler walks: compared are the network's epsilon at the
+    scheduler's own steps, the scheduler's betas, and one DDIM step from step 800 to 300, which is Islands' Euler
+    step between the canonical times of those steps (both move x0 and eps, predicted once, to the later time)."""
+    torch.set_num_threads(1)
+    run = trained("UNet2DModel", {"path": "vp_discrete", "prediction": "epsilon", "beta_schedule": "cosine"})
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    x, labels, steps = torch.randn(3, 1, 8, 8), np.array([0, 2, 3]), np.array([0, 500, 999])
+    for name, value in (("x", x.numpy()), ("labels", labels), ("steps", steps)):
+        np.save(tmp_path / f"{name}.npy", value)
+    run_without_islands(EPSILON_AT_STEPS, tmp_path / "out", tmp_path)
+    denoiser, _, _ = load_denoiser(run)
+    with torch.no_grad():
+        eps = denoiser.net(x, torch.from_numpy(steps) / 1000, torch.from_numpy(labels))
+    np.testing.assert_allclose(np.load(tmp_path / "diffusers.npy"), eps.numpy(), atol=1e-5)
+    path = build_path("vp_discrete", beta_schedule="cosine")
+    np.testing.assert_allclose(np.load(tmp_path / "alphas_cumprod.npy"), path.alphas_cumprod.numpy(), rtol=1e-4)
+    tau = torch.tensor([0.8, 0.3], dtype=torch.float64)
+    (t, t_next), (scale, scale_next) = path.canonical_time(tau).tolist(), path.scale(tau).tolist()
+    x_rf = x / scale  # x at step 800 in the canonical frame
+    with torch.no_grad():
+        stepped = (x_rf + (t_next - t) * denoiser(x_rf, torch.tensor(t), torch.from_numpy(labels))) * scale_next
+    np.testing.assert_allclose(np.load(tmp_path / "ddim.npy"), stepped.numpy(), atol=1e-4)
+
+
+def test_export_refuses_in_one_line_and_overwrites_nothing(trained, tmp_path, image_npz, capsys):
+    own = tmp_path / "own"
+    cfg = tiny_unet_config(own, image_npz, train={"images": 16, "checkpoint_every": 16, "sample_every": 0})
+    assert main(["train", write_config(tmp_path / "own.yaml", cfg), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(own), str(tmp_path / "a")]) == 2
+    assert "train with model.arch: diffusers" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    assert main(["export", str(own), str(tmp_path / "full")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not an empty folder" in err
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "b")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_the_scheduler_has_the_runs_betas_and_a_path_no_scheduler_steps_is_refused_by_name():
+    def scheduler(**flow):
+        return scheduler_for(validate({"run_dir": ".", "model": model_config("UNet2DModel"), "flow": flow}))
+
+    linear = scheduler(path="vp_discrete", prediction="x0")
+    assert linear.config.prediction_type == "sample" and not linear.config.clip_sample
+    np.testing.assert_allclose(linear.alphas_cumprod.numpy(), build_path("vp_discrete").alphas_cumprod.numpy(),
+                               rtol=1e-4)
+    with pytest.raises(ConfigError, match="flow.path: 'cosine'"):
+        scheduler(path="cosine", prediction="epsilon")
+    with pytest.raises(ConfigError, match="flow.prediction: 'epsilon'"):
+        scheduler(path="rectified_flow", prediction="epsilon")
