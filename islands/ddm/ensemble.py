@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 
 from islands.config import Config, to_dict, validate
+from islands.data.shards import file_sha256
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS, ConditionRouter, condition_prior
 from islands.ddm.mixture import DEFAULT_ROUTING, ExpertSlot, Mixture, PriorRouter, parse_routing
 from islands.ddm.runs import ensemble_dir, expert_dir, expert_runs, partition_dir, router_dir
@@ -32,14 +33,6 @@ from islands.train.captions import recorded_text_encoder
 from islands.train.latents import recorded_sha256
 
 MANIFEST = "ensemble.json"
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _entry(root: Path, run: Path, name: str) -> dict:
