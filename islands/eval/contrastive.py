@@ -16,18 +16,16 @@ import math
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
 from islands.config import ConfigError
 from islands.data.fingerprint import cache_dir, data_fingerprint
 from islands.data.sources import Source
-from islands.eval.features import BATCH, Classifier, Features
+from islands.eval.features import BATCH, Classifier, Features, cached_or_trained
 from islands.eval.prompt_following import PromptJudge, held_out, normalised
 from islands.nets.text_encoder import TextEncoder
 from islands.nets.text_folder import bundled_text_encoder
-from islands.rundir import load_weights, save_weights
 
 EMBED = 64  # the shared space's width
 TEMPERATURE = 0.07  # CLIP's initial temperature; learnt, its scale capped at 100 as CLIP caps it
@@ -134,20 +132,16 @@ def load_judge(source: Source, seed: int = 0, epochs: int = 30, progress: bool =
     name = f"contrastive-{fingerprint[:16]}-{encoder.sha256[:16]}-seed{seed}-epochs{epochs}"
     path = cache_dir() / "judges" / f"{name}.safetensors"
     with torch.random.fork_rng():  # evaluating during training must not move the run's random numbers
-        model = CaptionImageModel(source.shape[0], encoder.pooled_width)
-    if path.exists():
-        with safe_open(str(path), "pt") as f:
-            cached_for = (f.metadata() or {}).get("data_sha256")
-        if cached_for == fingerprint:
-            model.load_state_dict(load_weights(path))
-            return ContrastiveJudge(model, encoder, name)
-    captions = source.captions(range(len(source)))
-    kept = sorted(set(range(len(source))) - set(held_out(captions)))
-    if len(kept) < 2:
-        raise ConfigError(f"eval.features: the prompt judge needs at least 2 captioned examples outside the held-out "
-                          f"fifth; {source!r} has {len(kept)}")
-    pooled = pooled_captions(encoder, [captions[i] for i in kept])
-    model = train_judge(_Subset(source, kept), pooled, seed, epochs, progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_weights(model.state_dict(), path, {"data_sha256": fingerprint, "seed": seed, "epochs": epochs})
+        empty = CaptionImageModel(source.shape[0], encoder.pooled_width)
+
+    def train():
+        captions = source.captions(range(len(source)))
+        kept = sorted(set(range(len(source))) - set(held_out(captions)))
+        if len(kept) < 2:
+            raise ConfigError(f"eval.features: the prompt judge needs at least 2 captioned examples outside the "
+                              f"held-out fifth; {source!r} has {len(kept)}")
+        pooled = pooled_captions(encoder, [captions[i] for i in kept])
+        return train_judge(_Subset(source, kept), pooled, seed, epochs, progress=progress)
+
+    model = cached_or_trained(path, fingerprint, empty, train, {"seed": seed, "epochs": epochs})
     return ContrastiveJudge(model, encoder, name)

@@ -119,21 +119,29 @@ def accuracy(net: Classifier, source: Source) -> float:
     return correct / len(source)
 
 
+def cached_or_trained(path: Path, fingerprint: str, empty: nn.Module, train, metadata: dict) -> nn.Module:
+    """`empty` given the weights cached at `path` for the data of `fingerprint`, or the network `train()` returns,
+    cached there under the fingerprint and `metadata`."""
+    if path.exists():
+        with safe_open(str(path), "pt") as f:
+            cached_for = (f.metadata() or {}).get("data_sha256")
+        if cached_for == fingerprint:
+            empty.load_state_dict(load_weights(path))
+            return empty
+    net = train()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_weights(net.state_dict(), path, {"data_sha256": fingerprint, **metadata})
+    return net
+
+
 def load_classifier(source: Source, seed: int = 0, epochs: int = 2, progress: bool = False) -> ClassifierFeatures:
     """The classifier for this exact data (by hash) and seed: from the cache, or trained and cached."""
     fingerprint = data_fingerprint(source)
     path = cache_dir() / "classifiers" / f"{fingerprint[:16]}-seed{seed}-epochs{epochs}.safetensors"
     with torch.random.fork_rng():  # evaluating during training must not move the run's random numbers
-        net = Classifier(source.shape[0], source.num_classes)
-    if path.exists():
-        with safe_open(str(path), "pt") as f:
-            cached_for = (f.metadata() or {}).get("data_sha256")
-        if cached_for == fingerprint:
-            net.load_state_dict(load_weights(path))
-            return ClassifierFeatures(net, fingerprint, seed, epochs)
-    net = train_classifier(source, seed, epochs, progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_weights(net.state_dict(), path, {"data_sha256": fingerprint, "seed": seed, "epochs": epochs})
+        empty = Classifier(source.shape[0], source.num_classes)
+    net = cached_or_trained(path, fingerprint, empty, lambda: train_classifier(source, seed, epochs, progress=progress),
+                            {"seed": seed, "epochs": epochs})
     return ClassifierFeatures(net, fingerprint, seed, epochs)
 
 
