@@ -17,12 +17,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from islands.config import ConfigError
 from islands.data.fingerprint import cache_dir, data_fingerprint
 from islands.data.sources import Source
-from islands.eval.features import BATCH, Classifier, Features, cached_or_trained
+from islands.eval.features import BATCH, Classifier, Features, cached_or_trained, fit
 from islands.eval.prompt_following import PromptJudge, held_out, normalised
 from islands.nets.text_encoder import TextEncoder
 from islands.nets.text_folder import bundled_text_encoder
@@ -88,28 +87,11 @@ class ContrastiveFeatures(Features):
 def train_judge(images: Source, pooled: torch.Tensor, seed: int, epochs: int, batch: int = 256, lr: float = 2e-3,
                 progress: bool = False) -> CaptionImageModel:
     """AdamW with a one-cycle schedule on (image, caption embedding) pairs; weights and order from `seed` alone."""
-    batch = min(batch, len(images))
-    gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = CaptionImageModel(images.shape[0], pooled.shape[1])
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    steps = epochs * (len(images) // batch)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
-    bar = tqdm(total=steps, disable=not progress, desc="training the prompt judge", unit="step")
-    model.train()
-    for _ in range(epochs):
-        order = torch.randperm(len(images), generator=gen)
-        for lo in range(0, len(images) - batch + 1, batch):
-            chosen = order[lo:lo + batch]
-            loss = model(images.get(chosen.tolist())[0], pooled[chosen])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            bar.update()
-    bar.close()
-    return model.eval()
+    return fit(model, lambda chosen: model(images.get(chosen.tolist())[0], pooled[chosen]), len(images), seed, epochs,
+               batch, lr, 0.1, "training the prompt judge", progress)
 
 
 class _Subset(Source):

@@ -87,22 +87,34 @@ def train_classifier(source: Source, seed: int = 0, epochs: int = 2, batch: int 
     """Cross-entropy with AdamW; the initial weights and the order of examples come from `seed` alone."""
     if not source.num_classes or len(source.shape) != 3:
         raise ConfigError(f"eval.features: 'classifier' needs labelled images; {source!r} has none")
-    batch = min(batch, len(source))  # a data set smaller than one batch is one batch, not zero steps
-    gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         net = Classifier(source.shape[0], source.num_classes)
-    opt = torch.optim.AdamW(net.parameters(), lr=lr)
-    steps = epochs * (len(source) // batch)
+
+    def loss(chosen: torch.Tensor) -> torch.Tensor:
+        x, y = source.get(chosen.tolist())
+        return F.cross_entropy(net(x), y)
+
+    return fit(net, loss, len(source), seed, epochs, batch, lr, 0.01, "training the feature classifier", progress)
+
+
+def fit(net: nn.Module, loss, n: int, seed: int, epochs: int, batch: int, lr: float, weight_decay: float, desc: str,
+        progress: bool = False) -> nn.Module:
+    """AdamW with a one-cycle schedule over `epochs` passes of `n` examples in an order drawn from `seed`;
+    `loss(indices)` is a batch's loss. A data set smaller than one batch is one batch, not zero steps."""
+    batch = min(batch, n)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
+    steps = epochs * (n // batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
-    bar = tqdm(total=steps, disable=not progress, desc="training the feature classifier", unit="step")
+    bar = tqdm(total=steps, disable=not progress, desc=desc, unit="step")
+    net.train()
     for _ in range(epochs):
-        order = torch.randperm(len(source), generator=gen)
-        for lo in range(0, len(source) - batch + 1, batch):
-            x, y = source.get(order[lo:lo + batch].tolist())
-            loss = F.cross_entropy(net(x), y)
+        order = torch.randperm(n, generator=gen)
+        for lo in range(0, n - batch + 1, batch):
+            value = loss(order[lo:lo + batch])
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            value.backward()
             opt.step()
             sched.step()
             bar.update()
