@@ -248,6 +248,21 @@ def _eval(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if (Path(args.target) / "ensemble.json").exists():
+        from islands.ddm.mixture import DEFAULT_ROUTING
+        from islands.ddm.pipeline import evaluate_ensemble
+
+        options = {"eval.num": args.num, "eval.metrics": args.metrics and f"[{','.join(args.metrics)}]",
+                   "eval.features": args.features or ("torch" if args.feature_net else None),
+                   "eval.feature_weights": args.feature_weights, "sample.steps": args.steps,
+                   "sample.batch_size": args.batch_size}
+        result, out = evaluate_ensemble(Path(args.target), args.routing or DEFAULT_ROUTING, options,
+                                        args.feature_net, progress=not args.quiet)
+        print(format_table(result))
+        print(f"wrote {out}")
+        return 0
+    if args.routing:
+        raise ConfigError(f"--routing: {args.target} is not an ensemble directory (no ensemble.json)")
     result, out = evaluate_target(Path(args.target), args.num, args.steps, args.metrics, args.features,
                                   args.batch_size, Path(args.run) if args.run else None, progress=not args.quiet,
                                   feature_net=args.feature_net, feature_weights=args.feature_weights)
@@ -304,9 +319,24 @@ def _report(args) -> int:
 
 
 def _export(args) -> int:
+    from islands.ddm.ensemble import MANIFEST
+
+    if (Path(args.run_dir) / MANIFEST).exists():
+        from islands.export_ddm import export_ensemble
+
+        print(f"wrote {export_ensemble(Path(args.run_dir), Path(args.out))}")
+        return 0
     from islands.export import export_run
 
     print(f"wrote {export_run(Path(args.run_dir), Path(args.out))}")
+    return 0
+
+
+def _import(args) -> int:
+    from islands.ddm.imported import import_ensemble
+
+    out = import_ensemble(Path(args.folder), Path(args.ensemble_dir), [Path(r) for r in args.expert or ()])
+    print(f"wrote {out} (ensemble.json); sample it: islands sample {out}")
     return 0
 
 
@@ -380,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Evaluate a run (generating --num samples from its latest checkpoint) or an "
                                    "existing samples.npz against the run's data. Adds the result to metrics.json "
                                    "beside the target and prints it.")
-    p.add_argument("target", help="a run directory, or a samples.npz written by 'islands sample'")
+    p.add_argument("target", help="a run directory, an ensemble directory, or a samples.npz written by 'islands "
+                                   "sample'")
     p.add_argument("--num", type=int, help="samples to generate for a run directory (default: eval.num)")
     p.add_argument("--steps", type=int, help="solver steps (default: the run's sample.steps)")
     p.add_argument("--metrics", nargs="+", metavar="METRIC",
@@ -398,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--feature-weights", metavar="FILE",
                    help="torch features: the network's weights, a safetensors file (default: eval.feature_weights)")
     p.add_argument("--run", help="the run whose data a samples.npz is compared with (default: the run above it)")
+    p.add_argument("--routing", help="an ensemble directory's routing policy (default: ancestral)")
     p.add_argument("--batch-size", type=int, help="samples per batch; does not change the numbers")
     p.add_argument("--threads", type=int, help="torch threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -489,9 +521,21 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write the run's network (model.arch: diffusers) as its own diffusers class with "
                                    "the latest checkpoint's EMA weights, the scheduler of its path, a model_index.json "
                                    "and islands_export.json (the run's config, the weights' sha256).")
-    p.add_argument("run_dir", help="a run directory trained with model.arch: diffusers")
+    p.add_argument("run_dir", help="a run directory trained with model.arch: diffusers, or an ensemble directory "
+                                   "(written in the open DDM layout: expert_N/, router/, partition/, pipeline.py)")
     p.add_argument("out", help="the folder to write; it must not exist or be empty")
     p.set_defaults(func=_export)
+
+    p = sub.add_parser("import", help="read an ensemble exported in the open DDM layout back as an ensemble directory",
+                       description="Read FOLDER (expert_N/, router/, partition/, ddm.json, as 'islands export "
+                                   "ENSEMBLE' writes it), every file checked against ddm.json's sha256, into "
+                                   "ENSEMBLE_DIR, which islands sample, eval, report and distill take. --expert RUN "
+                                   "joins a run trained here as one more expert on a cluster of its own data.")
+    p.add_argument("folder", help="the exported ensemble (its ddm.json lists every file)")
+    p.add_argument("ensemble_dir", help="the ensemble directory to write; it must not exist or be empty")
+    p.add_argument("--expert", action="append", metavar="RUN", help="a run directory to join as a further expert "
+                   "(repeatable); the routers trained for fewer clusters are set aside")
+    p.set_defaults(func=_import)
     return parser
 
 

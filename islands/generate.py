@@ -64,12 +64,17 @@ class _WithoutInitialisation(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def network_with_weights(model_cfg, shape: tuple, num_classes: int, weights: dict, device="cpu") -> torch.nn.Module:
-    """The network built on `device` without initialising it (no time spent, no global random numbers drawn), holding
-    `weights`, in eval mode. Not on the meta device: torch computes some meta tensors in Python (normal_, arange),
+def uninitialised_network(model_cfg, shape: tuple, num_classes: int, device="cpu") -> torch.nn.Module:
+    """The network built on `device` without initialising it (no time spent, no global random numbers drawn), for
+    weights about to be loaded. Not on the meta device: torch computes some meta tensors in Python (normal_, arange),
     whose first use imports torch._dynamo, 1 to 4 s of every `islands sample` on a 2-core CPU."""
     with torch.device(device), _WithoutInitialisation():
-        net = build_network(model_cfg, shape, num_classes)
+        return build_network(model_cfg, shape, num_classes)
+
+
+def network_with_weights(model_cfg, shape: tuple, num_classes: int, weights: dict, device="cpu") -> torch.nn.Module:
+    """The network holding `weights` (strictly), in eval mode."""
+    net = uninitialised_network(model_cfg, shape, num_classes, device)
     net.load_state_dict(weights)
     return net.eval()
 

@@ -119,7 +119,7 @@ def _inside(root: Path, entry: dict) -> Path:
     return path
 
 
-def _read_verified(root: Path, entry: dict) -> dict:
+def read_verified(root: Path, entry: dict) -> dict:
     """The entry's weights, at every load: the bytes that are hashed are the bytes deserialised, so a file swapped
     after the ensemble was opened (or between the check and the read) is never used."""
     path = _inside(root, entry)
@@ -138,15 +138,15 @@ def _read_verified(root: Path, entry: dict) -> dict:
 def _verified(root: Path, entry: dict) -> tuple[bool, str]:
     """Whether the entry's weights are there, checked now so that a bad file stops the run before anything is
     sampled; if not, why (missing or unfinished: the mixture warns when it routes around it)."""
-    if "weights" not in entry:
-        return False, f"has no finished checkpoint ({root / entry['run']})"
+    if "weights" not in entry:  # an imported ensemble says why it has none (islands/ddm/imported.py)
+        return False, entry.get("why", f"has no finished checkpoint ({root / entry['run']})")
     if not _inside(root, entry).is_file():
         return False, f"is missing from disk ({root / entry['weights']})"
-    _read_verified(root, entry)
+    read_verified(root, entry)
     return True, ""
 
 
-def _network(entry: dict, weights: dict, device) -> torch.nn.Module:
+def member_network(entry: dict, weights: dict, device) -> torch.nn.Module:
     model_cfg = validate({"run_dir": ".", "model": entry["model"]}).model
     return network_with_weights(model_cfg, tuple(entry["shape"]), entry["num_classes"], weights, device)
 
@@ -155,7 +155,7 @@ def _expert(root: Path, entry: dict, device) -> NetworkDenoiser:
     """An expert in the canonical frame, whatever path (and schedule) and prediction it was trained with. Manifests
     written before a path took options lack them: the path's defaults apply."""
     flow_path = build_path(entry["path"], **{key: entry[key] for key in PATH_OPTIONS if key in entry})
-    return NetworkDenoiser(_network(entry, _read_verified(root, entry), device), flow_path, entry["prediction"])
+    return NetworkDenoiser(member_network(entry, read_verified(root, entry), device), flow_path, entry["prediction"])
 
 
 def _gated(root: Path, entry: dict, device) -> TimeGate:
@@ -164,11 +164,11 @@ def _gated(root: Path, entry: dict, device) -> TimeGate:
 
 
 def _router_network(root: Path, entry: dict, device) -> torch.nn.Module:
-    weights = _read_verified(root, entry)
+    weights = read_verified(root, entry)
     if "anchor.log_prior" not in weights:  # its logits were not anchored: read as anchored they would be wrong
         raise CheckpointError(f"{root / entry['weights']}: this router was trained before routers were anchored at "
                               "the prior; retrain it: islands train ENSEMBLE/config.yaml router")
-    return _network(entry, weights, device)
+    return member_network(entry, weights, device)
 
 
 class LearnedRouter:
@@ -225,7 +225,7 @@ def load_condition_prior(root: Path, manifest: dict):
     if entry is None:
         return None
     router = ConditionRouter(entry["width"], entry["clusters"], entry["hidden"])
-    router.load_state_dict(_read_verified(Path(root), entry))
+    router.load_state_dict(read_verified(Path(root), entry))
     return condition_prior(router.eval(), entry["width"])
 
 

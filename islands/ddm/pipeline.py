@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from islands.config import Config, ConfigError, revalidate
+from islands.config import Config, ConfigError, load_config, revalidate
 from islands.data import build_data
 from islands.data.sources import Source
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, fit_condition_router, save_condition_router
@@ -40,6 +40,7 @@ from islands.eval.evaluate import (
     generated,
     record,
     timed,
+    trusted_features,
 )
 from islands.eval.features import Features, Pixels
 from islands.flow.samplers import evaluations_per_sample
@@ -247,6 +248,20 @@ def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: b
     # the manifest's hash names the members and their checkpoints
     subject = f"ensemble manifest={file_sha256(root / MANIFEST)[:16]} routing={routing}"
     return record(root / "metrics.json", entry_key(subject, evaluator, cfg.eval.num, sampler.opts), result)
+
+
+def evaluate_ensemble(root: Path, routing: str = DEFAULT_ROUTING, options: dict | None = None,
+                      feature_net: str | None = None, progress: bool = True) -> tuple[dict, Path]:
+    """`islands eval ENSEMBLE`: the ensemble (trained here or imported) sampled under `routing` and evaluated as
+    `islands ddm` evaluates it, its config's eval and sample keys replaced by `options` (dotted keys, None: the
+    config's).
+    The feature module its config names is imported only if the user names it too (the folder may come from
+    elsewhere)."""
+    overrides = [f"{key}={value}" for key, value in (options or {}).items() if value is not None]
+    cfg = load_config(Path(root) / "config.yaml", [*overrides, f"run_dir={root}"])
+    cfg = cfg.model_copy(update={"eval": trusted_features(cfg.eval, feature_net, Path(root) / "config.yaml",
+                                                          "--feature-net ")})
+    return sample_and_evaluate(cfg, routing, progress), Path(root) / "metrics.json"
 
 
 def training_flops(run: Path) -> float:

@@ -119,6 +119,12 @@ class DiffusersNetwork(StagedNetwork):
         left out)."""
         return {self.diffusers_key(k): v for k, v in self.state_dict().items() if not k.startswith("text.")}
 
+    def to_diffusers(self) -> nn.Module:
+        """The diffusers model itself, holding these weights (for its `save_pretrained`)."""
+        model = getattr(diffusers, self.class_name)(**self.diffusers_config)
+        model.load_state_dict(self.diffusers_state_dict())  # strict: every weight under its diffusers name
+        return model.eval()
+
     def load_diffusers_state_dict(self, weights: dict) -> None:
         """Load weights named as diffusers names them; a name missing on either side, or a shape that differs, is
         refused by name (ValueError)."""

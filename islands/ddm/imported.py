@@ -1,0 +1,259 @@
+"""An ensemble published in the open DDM layout, read back (`islands import FOLDER ENSEMBLE/`).
+
+The folder (written by `islands export ENSEMBLE`, islands/export_ddm.py) arrives from elsewhere and is read as
+untrusted: only the files of an exact allow-list are read, each inside the folder and hashing to what its ddm.json
+says; weights are safetensors, expert classes one of the adapters', and its pipeline.py is never imported. What it
+becomes is an ordinary ensemble directory: config.yaml (the publisher's, its run_dir this one), partition/,
+experts/N/ and router/ weights under Islands' names, condition_router/ on text, and ensemble.json listing them with
+their sha256, so that `islands sample`, `islands eval`, `islands report` and `islands distill` take it as they take
+one trained here.
+
+`--expert RUN` extends it: each run's latest weights join as one more expert, its data one more cluster. The prior
+becomes the new sizes (and shares per class, counted from the run's data); the router and the condition router,
+trained for the K clusters before, are left out of the manifest, so that router-based policies route by the sizes
+until a router is trained for K + 1 and ancestral routing is exact.
+"""
+
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from islands.config import to_dict, validate
+from islands.data import build_data
+from islands.data.shards import file_sha256
+from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS
+from islands.ddm.ensemble import MANIFEST, member_network
+from islands.ddm.partition import ARRAYS_FILE, META_FILE
+from islands.errors import CheckpointError, ConfigError
+from islands.generate import uninitialised_network
+from islands.nets.diffusers_net import ADAPTERS
+from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, load_weights, save_weights, weights_file
+
+INDEX = "ddm.json"
+# every file an exported ensemble may hold, and nothing else is read
+ALLOWED = re.compile(r"(expert_\d+/(config\.json|diffusion_pytorch_model\.safetensors|text_null\.safetensors)"
+                     r"|router/(config\.json|diffusion_pytorch_model\.safetensors)|scheduler/scheduler_config\.json"
+                     rf"|partition/({re.escape(META_FILE)}|{re.escape(ARRAYS_FILE)})"
+                     rf"|{ROUTER_FOLDER}/{re.escape(ROUTER_WEIGHTS)}|pipeline\.py)")
+ROUTER_ARGUMENTS = {"hidden_size": "hidden_size", "depth": "depth", "num_heads": "num_heads",
+                    "patch_size": "patch_size"}
+
+
+class _Folder:
+    """The exported folder: its index, and its files' bytes, each checked against the index when read."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        try:
+            self.index = json.loads((self.root / INDEX).read_text())
+            files = self.index["files"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{self.root / INDEX}: not an exported ensemble's index ({err})") from None
+        refused = sorted(name for name in files if not ALLOWED.fullmatch(name))
+        if refused:
+            raise CheckpointError(f"{self.root / INDEX}: {refused[0]} is not a file of the open DDM layout; refusing "
+                                  f"the folder")
+        self.files = files
+
+    def read(self, name: str) -> bytes:
+        if name not in self.files:
+            raise CheckpointError(f"{self.root / INDEX}: lists no {name}")
+        path = self.root / name
+        if not path.resolve().is_relative_to(self.root.resolve()):
+            raise CheckpointError(f"{path}: lies outside {self.root}")
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise CheckpointError(f"cannot read {path}: {err}") from None
+        if hashlib.sha256(data).hexdigest() != self.files[name]:
+            raise CheckpointError(f"{path}: sha256 does not match {INDEX}; refusing the folder")
+        return data
+
+    def json(self, name: str) -> dict:
+        try:
+            return json.loads(self.read(name))
+        except ValueError as err:
+            raise CheckpointError(f"{self.root / name}: not JSON ({err})") from None
+
+    def weights(self, name: str) -> dict:
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        try:
+            return load(self.read(name))
+        except SafetensorError as err:
+            raise CheckpointError(f"{self.root / name}: not a valid safetensors file ({err})") from None
+
+
+def _expert_model(folder: _Folder, name: str, cfg) -> dict:
+    """The model section of expert folder `name`: its diffusers class and constructor arguments, the ensemble's
+    condition."""
+    config = folder.json(f"{name}/config.json")
+    class_name = config.get("_class_name")
+    if class_name not in ADAPTERS:
+        raise CheckpointError(f"{folder.root / name}/config.json: {class_name!r} is not one of {', '.join(ADAPTERS)}")
+    model = to_dict(cfg)["model"]
+    return {**model, "arch": "diffusers", "class_name": class_name, "pretrained": None,
+            "config": {k: v for k, v in config.items() if not k.startswith("_")}}
+
+
+def _write(weights: dict, path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_weights(weights, path)
+    return file_sha256(path)
+
+
+def _expert_entry(k: int, model: dict, shape: list, num_classes: int, path: str, prediction: str, size: int,
+                  weights: str, sha256: str, **extra) -> dict:
+    return {"name": f"expert{k}", "run": f"experts/{k}", "weights": weights, "sha256": sha256, "path": path,
+            "prediction": prediction, "model": model, "shape": shape, "num_classes": num_classes, "cluster": k,
+            "size": size, **extra}
+
+
+def _imported_experts(folder: _Folder, cfg, building: Path) -> list[dict]:
+    index, entries = folder.index, []
+    for k, expert in enumerate(index["experts"]):
+        name = expert["folder"]
+        if not re.fullmatch(r"expert_\d+", name):
+            raise CheckpointError(f"{folder.root / INDEX}: expert folder {name!r} is not expert_N")
+        model = _expert_model(folder, name, cfg)
+        net = uninitialised_network(validate({"run_dir": ".", "model": model}).model, tuple(index["shape"]),
+                                    index["num_classes"])
+        try:
+            net.load_diffusers_state_dict(folder.weights(f"{name}/diffusion_pytorch_model.safetensors"))
+            if net.text is not None:
+                net.text.load_state_dict(folder.weights(f"{name}/text_null.safetensors"))
+        except (ValueError, RuntimeError) as err:
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise CheckpointError(f"{folder.root / name}: {reason}") from None
+        weights = f"experts/{k}/ema.safetensors"
+        entries.append(_expert_entry(k, model, index["shape"], index["num_classes"], "rectified_flow", "velocity",
+                                     int(expert["size"]), weights, _write(net.state_dict(), building / weights),
+                                     images=0))
+    return entries
+
+
+def _imported_router(folder: _Folder, cfg, building: Path) -> dict:
+    if "router" not in folder.index:
+        return {"name": "router", "run": "router", "why": "was not published with the ensemble"}
+    config = folder.json("router/config.json")
+    model = {"arch": "router", "num_classes": config["num_classes"], "outputs": config["num_experts"],
+             "condition": cfg.model.condition, "text_tokens": cfg.model.text_tokens, "text_width": cfg.model.text_width,
+             "text_pooled_width": cfg.model.text_pooled_width, **{k: config[v] for k, v in ROUTER_ARGUMENTS.items()}}
+    entry = {"name": "router", "run": "router", "model": model, "shape": folder.index["shape"],
+             "num_classes": config["num_classes"]}
+    weights = folder.weights("router/diffusion_pytorch_model.safetensors")
+    try:
+        member_network(entry, weights, "cpu")  # strict: Islands' router under the same names
+    except RuntimeError as err:
+        raise CheckpointError(f"{folder.root / 'router'}: not the router its config.json describes "
+                              f"({str(err).splitlines()[0]})") from None
+    sha256 = _write(weights, building / "router" / "ema.safetensors")
+    return {**entry, "weights": "router/ema.safetensors", "sha256": sha256}
+
+
+def _joined_expert(run: Path, k: int, shape: list, num_classes: int, building: Path) -> tuple[dict, list[int] | None]:
+    """A run trained here joining as expert k: its latest weights, its data's size (and count per class)."""
+    cfg, info = describe_run(run)
+    ckpt = latest_checkpoint(run)
+    if ckpt is None:
+        raise CheckpointError(f"--expert: {run} has no complete checkpoint yet")
+    if list(info["shape"]) != list(shape) or info["num_classes"] != num_classes:
+        raise ConfigError(f"--expert: {run} learnt examples of shape {info['shape']} with {info['num_classes']} "
+                          f"classes; the ensemble's are {shape} with {num_classes}")
+    source = build_data(cfg.data, cfg.seed)
+    counts = None
+    if num_classes:
+        counts = np.zeros(num_classes, dtype=np.int64)
+        for lo in range(0, len(source), 4096):
+            counts += np.bincount(source.get(np.arange(lo, min(len(source), lo + 4096)))[1], minlength=num_classes)
+    weights = f"experts/{k}/ema.safetensors"
+    entry = _expert_entry(k, to_dict(cfg)["model"], info["shape"], num_classes, cfg.flow.path, cfg.flow.prediction,
+                          len(source), weights, _write(load_weights(weights_file(ckpt)), building / weights),
+                          images=int(ckpt.name), **cfg.flow.path_options(), joined_from=str(run))
+    return entry, None if counts is None else counts.tolist()
+
+
+def import_ensemble(source: Path, out: Path, runs: list[Path] = ()) -> Path:
+    """The ensemble folder `source` (open DDM layout) as an Islands ensemble directory at `out` (which must not exist,
+    or be empty), with the runs `runs` joined as further experts; built beside it and renamed into place."""
+    source, out = Path(source), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out}: already exists and is not an empty folder; import writes a new one")
+    folder = _Folder(source)
+    index = folder.index
+    if "islands_config" not in index:
+        raise CheckpointError(f"{source / INDEX}: has no islands_config, the ensemble's config")
+    try:
+        cfg = validate({**index["islands_config"], "run_dir": str(out)})
+    except (ValueError, ConfigError) as err:
+        raise CheckpointError(f"{source / INDEX}: islands_config: {str(err).splitlines()[0]}") from None
+
+    building = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(building, ignore_errors=True)
+    building.mkdir(parents=True)
+    try:
+        experts = _imported_experts(folder, cfg, building)
+        router = _imported_router(folder, cfg, building)
+        (building / "partition").mkdir()
+        for name in (META_FILE, ARRAYS_FILE):
+            (building / "partition" / name).write_bytes(folder.read(f"partition/{name}"))
+        partition = json.loads((building / "partition" / META_FILE).read_text())
+        manifest = {"k": len(experts), "prior": index["prior"], "partition": partition.get("method"),
+                    "experts": experts, "router": router,
+                    "imported_from": {"folder": str(source), "ddm_sha256": file_sha256(source / INDEX)}}
+        if index.get("prior_by_class"):
+            manifest["prior_by_class"] = index["prior_by_class"][:-1]
+        if index.get("text_encoder_sha256"):
+            manifest["text_encoder_sha256"] = index["text_encoder_sha256"]
+        if "condition_router" in index:
+            spec = index["condition_router"]
+            weights = folder.weights(f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}")
+            sizes = {k: int(spec[k]) for k in ("width", "clusters", "hidden")}
+            path = building / ROUTER_FOLDER / ROUTER_WEIGHTS
+            manifest["condition_router"] = {"name": "condition router", "weights": f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}",
+                                            "sha256": _write(weights, path), **sizes}
+            atomic_write_text(building / ROUTER_FOLDER / ROUTER_REPORT, json.dumps({**sizes, "calibration": {}}))
+        if runs:
+            _join(manifest, partition, runs, building)
+        config = {**index["islands_config"], "run_dir": str(out)}
+        config.setdefault("ddm", {})["k"] = manifest["k"]
+        (building / "config.yaml").write_text(yaml.safe_dump(config))
+        atomic_write_text(building / MANIFEST, json.dumps(manifest, indent=1))
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()
+    building.rename(out)
+    return out
+
+
+def _join(manifest: dict, partition: dict, runs: list[Path], building: Path) -> None:
+    """Runs trained here as experts K, K + 1, ...: sizes, priors and the manifest extended; the routers trained for
+    fewer clusters are set aside."""
+    experts = manifest["experts"]
+    shape, num_classes = experts[0]["shape"], experts[0]["num_classes"]
+    sizes = [e["size"] for e in experts]
+    by_class = partition.get("sizes_by_class")  # [class][cluster] counts
+    for run in runs:
+        entry, counts = _joined_expert(Path(run), len(experts), shape, num_classes, building)
+        experts.append(entry)
+        sizes.append(entry["size"])
+        if by_class is not None and counts is not None:
+            by_class = [row + [counts[c]] for c, row in enumerate(by_class)]
+    manifest["k"] = len(experts)
+    manifest["prior"] = [s / sum(sizes) for s in sizes]
+    if by_class is not None:
+        manifest["prior_by_class"] = [[c / sum(row) for c in row] if sum(row) else manifest["prior"]
+                                      for row in by_class]
+    else:
+        manifest.pop("prior_by_class", None)
+    why = f"was trained for {len(sizes) - len(runs)} clusters, not the {len(sizes)} the joined experts make"
+    manifest["router"] = {"name": "router", "run": "router", "why": why}
+    manifest.pop("condition_router", None)

@@ -1,0 +1,122 @@
+"""An ensemble as the open DDM checkpoints ship one (`islands export ENSEMBLE OUT/`), sampled by plain diffusers.
+
+OUT/expert_N/ holds expert N as its own diffusers class (`save_pretrained` of the weights the manifest verified, a
+text-conditioned one with text_null.safetensors beside, its learned "no caption"); OUT/router/ the router as
+`DDMRouter` (islands/ddm/diffusers_pipeline.py, whose weights carry Islands' names, so no conversion touches them);
+OUT/scheduler/ the rectified-flow scheduler; OUT/partition/ the partition as Islands wrote it (sizes, shares per
+class, centroids); OUT/condition_router/ p(cluster | caption) on text; OUT/pipeline.py the pipeline that samples
+them by any routing policy, with no Islands installed; OUT/ddm.json names everything, with each file's sha256, the
+priors, the sampling defaults and the ensemble's config, which `islands import` reads back.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+from safetensors.torch import save_file
+
+from islands import __version__
+from islands.config import load_config
+from islands.data.shards import file_sha256
+from islands.ddm import diffusers_pipeline
+from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_WEIGHTS
+from islands.ddm.ensemble import member_network, read_manifest, read_verified
+from islands.ddm.mixture import DEFAULT_ROUTING
+from islands.ddm.partition import ARRAYS_FILE, META_FILE
+from islands.ddm.runs import partition_dir
+from islands.errors import ConfigError
+from islands.export import scheduler_for
+
+INDEX = diffusers_pipeline.INDEX
+
+
+def _refuse_unless_exportable(root: Path, manifest: dict, cfg) -> None:
+    """One line naming what keeps the ensemble from the layout: only finished, rectified-flow, diffusers experts on
+    pixels, one per cluster, sample as the pipeline samples."""
+    if manifest.get("t_ranges"):
+        raise ConfigError(f"ddm.t_ranges: {root} is a grid of timestep-range experts; the open DDM layout holds one "
+                          f"expert per cluster")
+    if manifest.get("autoencoder_sha256"):
+        raise ConfigError(f"data.autoencoder: {root}'s experts learnt latents, and the export ships no autoencoder "
+                          f"to decode them")
+    for entry in manifest["experts"]:
+        if "weights" not in entry:
+            raise ConfigError(f"{entry['name']} of {root} has no finished checkpoint; a published ensemble ships every "
+                              f"expert")
+        if entry["model"]["arch"] != "diffusers":
+            raise ConfigError(f"model.arch: {entry['name']} is Islands' own {entry['model']['arch']!r}, which no "
+                              f"diffusers class holds; train the experts with model.arch: diffusers")
+        if (entry["path"], entry["prediction"]) != ("rectified_flow", "velocity"):
+            raise ConfigError(f"flow.path: {entry['name']} learnt {entry['path']} {entry['prediction']}; the pipeline "
+                              f"mixes rectified-flow velocities")
+    scheduler_for(cfg)  # the ensemble's own flow section, the one its samples are drawn with
+
+
+def _router_arguments(entry: dict) -> dict:
+    model = entry["model"]
+    channels, size = entry["shape"][0], entry["shape"][1]
+    return {"sample_size": size, "in_channels": channels, "num_experts": model["outputs"],
+            "patch_size": model["patch_size"], "hidden_size": model["hidden_size"] or 128,
+            "depth": model["depth"] or 4, "num_heads": model["num_heads"] or 4, "num_classes": entry["num_classes"],
+            "pooled_width": model["text_pooled_width"] if model.get("condition") == "text" else 0}
+
+
+def export_ensemble(root: Path, out: Path) -> Path:
+    """Write the ensemble at `root` in the open DDM layout at `out` (which must not exist, or be an empty folder),
+    built beside it and renamed into place."""
+    root, out = Path(root), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out}: already exists and is not an empty folder; export writes a new one")
+    manifest = read_manifest(root)
+    cfg = load_config(root / "config.yaml")
+    _refuse_unless_exportable(root, manifest, cfg)
+
+    building = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(building, ignore_errors=True)  # a partial one left by an export that was killed
+    building.mkdir(parents=True)
+    experts = []
+    for k, entry in enumerate(manifest["experts"]):
+        net = member_network(entry, read_verified(root, entry), "cpu")
+        folder = f"expert_{k}"
+        net.to_diffusers().save_pretrained(building / folder, safe_serialization=True)
+        if net.text is not None:  # its learned "no caption", which the diffusers class does not hold
+            save_file({name: p.detach().contiguous() for name, p in net.text.state_dict().items()},
+                      building / folder / "text_null.safetensors")
+        experts.append({"name": entry["name"], "folder": folder, "class_name": net.class_name, "cluster": k,
+                        "size": entry["size"], "source_sha256": entry["sha256"]})
+    index = {"_class_name": "DDMPipeline", "islands_version": __version__, "k": manifest["k"],
+             "shape": manifest["experts"][0]["shape"], "num_classes": cfg.model.num_classes,
+             "condition": cfg.model.condition, "prior": manifest["prior"], "experts": experts}
+    if cfg.model.condition == "text":
+        index.update(text_tokens=cfg.model.text_tokens, text_width=cfg.model.text_width,
+                     text_pooled_width=cfg.model.text_pooled_width,
+                     text_encoder_sha256=manifest.get("text_encoder_sha256"))
+    if manifest.get("prior_by_class"):  # the last row: no class, the sizes
+        index["prior_by_class"] = manifest["prior_by_class"] + [manifest["prior"]]
+    router = manifest["router"]
+    if "weights" in router:  # without one, only ancestral routing samples it
+        model = diffusers_pipeline.DDMRouter(**_router_arguments(router))
+        model.load_state_dict(read_verified(root, router))  # strict: every weight under the same name
+        model.save_pretrained(building / "router", safe_serialization=True)
+        index["router"] = "router"
+    if "condition_router" in manifest:
+        spec = manifest["condition_router"]
+        (building / ROUTER_FOLDER).mkdir()
+        save_file(read_verified(root, spec), building / ROUTER_FOLDER / ROUTER_WEIGHTS)
+        index["condition_router"] = {**{k: spec[k] for k in ("width", "clusters", "hidden")},
+                                     "weights": f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}"}
+    scheduler_for(cfg).save_pretrained(building / "scheduler")
+    (building / "partition").mkdir()
+    for name in (META_FILE, ARRAYS_FILE):
+        shutil.copyfile(partition_dir(cfg) / name, building / "partition" / name)
+    shutil.copyfile(diffusers_pipeline.__file__, building / "pipeline.py")
+    index["sample"] = {"routing": DEFAULT_ROUTING, "steps": cfg.sample.steps, "guidance": cfg.sample.guidance,
+                       "time_shift": cfg.sample.time_shift or 1.0}
+    index["islands_config"] = yaml.safe_load((root / "config.yaml").read_text())
+    index["files"] = {str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*")) if p.is_file()}
+    (building / INDEX).write_text(json.dumps(index, indent=1))
+    if out.exists():
+        out.rmdir()
+    building.rename(out)
+    return out

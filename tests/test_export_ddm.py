@@ -1,0 +1,239 @@
+"""An ensemble in the open DDM layout (`islands export ENSEMBLE OUT/`, islands/export_ddm.py): its pipeline.py samples
+it with plain diffusers in a process where Islands cannot be imported, and the same noise gives the samples
+`islands sample ENSEMBLE` gives, under every routing policy; the router shipped for it computes what Islands' router
+computes; a changed file is refused."""
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_images, tiny_unet_config
+from test_diffusers_nets import CLASS_LABELS, ensemble_of, model_config, randomised
+from test_export import WITHOUT_ISLANDS, run_without_islands
+
+from islands.cli import main
+from islands.data import streams
+from islands.data.shards import file_sha256
+from islands.ddm import diffusers_pipeline
+from islands.ddm.ensemble import ancestral_clusters, read_manifest
+from islands.ddm.sampling import open_sampler
+from islands.nets.condition import TextWidths, pack_text
+from islands.nets.router import TransformerRouter
+
+ROUTINGS = ("ancestral", "top1", "topk:2", "full", "nucleus:0.6", "sample", "ancestral_then:topk:1@0.5")
+STEPS, GUIDANCE, NUM = 4, 2.0, 6
+
+# the shipped pipeline, loaded from the folder as its user loads it, under every policy
+SAMPLE_EVERY_ROUTING = WITHOUT_ISLANDS + textwrap.dedent("""
+    import importlib.util, json
+    sys.dont_write_bytecode = True  # the folder is read, not written to
+    spec = importlib.util.spec_from_file_location("ddm_pipeline", f"{out}/pipeline.py")
+    ddm_pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ddm_pipeline)
+    pipe = ddm_pipeline.DDMPipeline.from_folder(out)
+    noise, labels = torch.from_numpy(np.load(f"{work}/noise.npy")), torch.from_numpy(np.load(f"{work}/labels.npy"))
+    clusters = torch.from_numpy(np.load(f"{work}/clusters.npy"))
+    for routing in json.loads(sys.argv[3]):
+        x = pipe(len(noise), class_labels=labels, routing=routing, num_inference_steps=int(sys.argv[4]),
+                 guidance_scale=float(sys.argv[5]), latents=noise, clusters=clusters, routing_seed=int(sys.argv[6]))
+        np.save(f"{work}/{routing.replace(':', '_')}.npy", x.numpy())
+    assert not any(m == "islands" or m.startswith("islands.") for m in sys.modules)
+""")
+
+
+@pytest.fixture(scope="module")
+def ensemble(tmp_path_factory):
+    """A DiT and a DDPM U-Net, class-conditional, rectified flow, with Islands' router, exported."""
+    folder = tmp_path_factory.mktemp("ddm")
+    cfg = tiny_unet_config(folder / "ens", random_images(folder), train={
+        "images": 32, "checkpoint_every": 32, "sample_every": 0, "warmup_images": 16})
+    cfg["model"] = model_config("DiTTransformer2DModel", 4)
+    cfg["sample"] = {"num": 4, "steps": STEPS, "solver": "euler", "guidance": GUIDANCE, "time_shift": 2.0}
+    cfg["eval"] = {"num": 8, "metrics": ["fd"], "features": "pixels"}
+    ensemble_of(folder / "ddm.yaml", cfg, CLASS_LABELS[::-1])
+    assert main(["export", str(folder / "ens"), str(folder / "out")]) == 0
+    return folder
+
+
+def test_the_exported_pipeline_samples_as_islands_samples_under_every_routing(ensemble):
+    torch.set_num_threads(1)
+    root, out = ensemble / "ens", ensemble / "out"
+    sampler = open_sampler(root, {"steps": STEPS, "solver": "euler", "guidance": GUIDANCE}, routing="ancestral")
+    labels = sampler.labels(NUM)
+    seed = sampler.cfg.seed
+    noise = streams.normal(seed, list(range(NUM)), sampler.shape, "sample")  # as islands/generate.py draws it
+    clusters = ancestral_clusters(sampler.manifest, seed, 0, NUM, labels)
+    for name, value in (("noise", noise), ("labels", labels), ("clusters", clusters)):
+        np.save(ensemble / f"{name}.npy", value.numpy())
+    run_without_islands(SAMPLE_EVERY_ROUTING, out, ensemble, json.dumps(ROUTINGS), STEPS, GUIDANCE, seed)
+    for routing in ROUTINGS:
+        drawn = open_sampler(root, {"steps": STEPS, "solver": "euler", "guidance": GUIDANCE},
+                             routing=routing).generate(NUM, labels)
+        shipped = np.load(ensemble / f"{routing.replace(':', '_')}.npy")
+        assert (np.abs(shipped) < 1).mean() > 0.5, routing  # most values are not clamped: the comparison sees them
+        np.testing.assert_allclose(shipped, drawn.numpy(), atol=1e-4, err_msg=routing)
+    # the policies differ, so that agreeing under each is not agreeing under one
+    full, top1 = (np.load(ensemble / f"{r}.npy") for r in ("full", "top1"))
+    assert np.abs(full - top1).max() > 1e-3
+
+
+def test_the_folder_is_the_open_ddm_layout_every_file_hashed(ensemble):
+    out = ensemble / "out"
+    index = json.loads((out / "ddm.json").read_text())
+    manifest = read_manifest(ensemble / "ens")
+    assert [e["class_name"] for e in index["experts"]] == list(CLASS_LABELS[::-1])
+    for k, expert in enumerate(index["experts"]):
+        assert (out / f"expert_{k}" / "config.json").is_file()
+        assert json.loads((out / f"expert_{k}" / "config.json").read_text())["_class_name"] == expert["class_name"]
+        assert expert["source_sha256"] == manifest["experts"][k]["sha256"]
+    assert index["prior"] == manifest["prior"] and index["prior_by_class"][:-1] == manifest["prior_by_class"]
+    assert json.loads((out / "scheduler" / "scheduler_config.json").read_text())["shift"] == 2.0
+    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"ddm.json"}
+    assert set(index["files"]) == on_disk
+    assert {"partition/partition.json", "partition/assignments.npz", "pipeline.py",
+            "router/diffusion_pytorch_model.safetensors"} <= on_disk
+
+
+def test_a_changed_file_is_refused_by_the_pipeline(ensemble, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(ensemble / "out", copy)
+    weights = copy / "expert_1" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="expert_1/diffusion_pytorch_model.safetensors: sha256 does not match"):
+        diffusers_pipeline.DDMPipeline.from_folder(copy)
+    index = json.loads((copy / "ddm.json").read_text())
+    index["files"]["../outside/config.json"] = index["files"].pop("expert_1/config.json")
+    index["experts"][1]["folder"] = "../outside"
+    (copy / "ddm.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="lies outside"):
+        diffusers_pipeline.DDMPipeline.from_folder(copy)
+
+
+@pytest.mark.parametrize("condition", ["none", "class", "text"])
+def test_the_shipped_router_computes_what_islands_router_computes(condition):
+    text = TextWidths(6, 5, 3) if condition == "text" else None
+    classes = 3 if condition == "class" else 0
+    islands_router = randomised(TransformerRouter(8, 2, 4, patch_size=2, hidden_size=16, depth=2, num_heads=2,
+                                                  num_classes=classes, text=text)).eval()
+    shipped = diffusers_pipeline.DDMRouter(sample_size=8, in_channels=2, num_experts=4, patch_size=2, hidden_size=16,
+                                           depth=2, num_heads=2, num_classes=classes,
+                                           pooled_width=5 if text else 0).eval()
+    shipped.load_state_dict(islands_router.state_dict())  # strict: the same names
+    gen = torch.Generator().manual_seed(1)
+    x, t = torch.randn(3, 2, 8, 8, generator=gen), torch.tensor([0.9, 0.5, 0.1])
+    if condition == "class":
+        cond, given = torch.tensor([0, 2, 3]), {"class_labels": torch.tensor([0, 2, 3])}
+    elif condition == "text":
+        pooled = torch.randn(3, 5, generator=gen)
+        cond = pack_text(torch.randn(3, 3, 6, generator=gen), torch.ones(3, 3, dtype=torch.bool), pooled)
+        given = {"pooled": pooled}
+    else:
+        cond, given = None, {}
+    with torch.no_grad():
+        torch.testing.assert_close(shipped(x, t, **given), islands_router(x, t, cond), rtol=0, atol=1e-5)
+        if condition != "none":  # and without the condition: the null class, or the learned null caption
+            torch.testing.assert_close(shipped(x, t), islands_router(x, t, None), rtol=0, atol=1e-5)
+
+
+def test_an_ensemble_of_islands_own_networks_is_refused_in_one_line(tmp_path, capsys):
+    cfg = tiny_unet_config(tmp_path / "ens", random_images(tmp_path), train={
+        "images": 16, "checkpoint_every": 16, "sample_every": 0, "warmup_images": 0})
+    cfg["model"] = {**cfg["model"], "channels": 4}
+    cfg["eval"] = {"num": 8, "metrics": ["fd"], "features": "pixels"}
+    cfg["ddm"] = {"k": 2, "partition": {"method": "kmeans", "pca_dim": 8, "fine": 8},
+                  "router": {"hidden_size": 16, "depth": 1, "num_heads": 2, "patch_size": 2, "batch_size": 8,
+                             "images": 16}}
+    from conftest import write_config
+
+    assert main(["ddm", write_config(tmp_path / "ddm.yaml", cfg), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "ens"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.arch: expert0 is Islands' own 'unet'" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
+
+
+# --- read back: `islands import` ----------------------------------------------------------------------------------
+
+def test_an_imported_ensemble_samples_evaluates_and_distills_as_the_one_exported(ensemble, tmp_path, capsys):
+    imported = tmp_path / "imported"
+    assert main(["import", str(ensemble / "out"), str(imported)]) == 0
+    for routing in ("ancestral", "top1"):  # the same weights, bit for bit, under Islands' names again
+        original, again = (open_sampler(root, {"steps": STEPS}, routing=routing).generate(NUM, torch.arange(NUM) % 4)
+                           for root in (ensemble / "ens", imported))
+        assert torch.equal(original, again), routing
+    assert main(["eval", str(imported), "--num", "8", "--features", "pixels", "--metrics", "fd", "--quiet"]) == 0
+    assert "fd" in json.loads((imported / "metrics.json").read_text()).popitem()[1]
+    assert main(["distill", str(imported), "train.images=16", "train.checkpoint_every=16", "--teacher", "full",
+                 "--quiet"]) == 0
+    assert (imported / "distilled" / "checkpoints").is_dir()
+
+
+def test_a_run_trained_here_joins_an_imported_ensemble_as_one_more_expert(ensemble, tmp_path, capsys):
+    """Its samples, where ancestral routing sends them to it, are the run's own; its data is a cluster of its own in
+    the prior; the router, trained for two clusters, routes by the sizes until a new one is trained."""
+    rng = np.random.default_rng(1)  # another island's data: 32 examples, 8 of each class
+    np.savez(tmp_path / "theirs.npz", x=rng.integers(0, 256, size=(32, 1, 8, 8), dtype=np.uint8), y=np.arange(32) % 4)
+    cfg = tiny_unet_config(tmp_path / "run", tmp_path / "theirs.npz", train={
+        "images": 16, "checkpoint_every": 16, "sample_every": 0, "warmup_images": 0})
+    cfg["model"] = model_config("DiTTransformer2DModel", 4)
+    from conftest import write_config
+
+    assert main(["train", write_config(tmp_path / "run.yaml", cfg), "--quiet"]) == 0
+    joined = tmp_path / "joined"
+    assert main(["import", str(ensemble / "out"), str(joined), "--expert", str(tmp_path / "run")]) == 0
+    manifest = read_manifest(joined)
+    sizes = [e["size"] for e in read_manifest(ensemble / "ens")["experts"]] + [32]
+    assert manifest["k"] == 3 and manifest["prior"] == pytest.approx([s / sum(sizes) for s in sizes])
+    assert manifest["prior_by_class"][0][2] == pytest.approx(8 / (8 + 16))  # 64 examples, 16 of class 0, before
+
+    labels = torch.arange(32) % 4
+    opts = {"steps": STEPS, "guidance": GUIDANCE, "time_shift": 2.0}  # the ensemble's, for the run too
+    ensemble_sampler = open_sampler(joined, opts, routing="ancestral")
+    drawn = ensemble_sampler.generate(32, labels)
+    clusters = ancestral_clusters(manifest, ensemble_sampler.cfg.seed, 0, 32, labels)
+    assert (clusters == 2).any()
+    own = open_sampler(tmp_path / "run", opts).generate(32, labels, seed=ensemble_sampler.cfg.seed)
+    torch.testing.assert_close(drawn[clusters == 2], own[clusters == 2], rtol=0, atol=1e-5)
+    with pytest.warns(UserWarning, match="router was trained for 2 clusters, not the 3"):
+        open_sampler(joined, opts, routing="top1").generate(4, labels[:4])
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("flip", "expert_0/diffusion_pytorch_model.safetensors: sha256 does not match ddm.json"),
+    ("unlisted", "evil.py is not a file of the open DDM layout"),
+    ("class", "is not one of UNet2DModel"),
+])
+def test_a_folder_that_is_not_what_its_index_says_is_refused_in_one_line(ensemble, tmp_path, capsys, change,
+                                                                           message):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(ensemble / "out", copy)
+    index = json.loads((copy / "ddm.json").read_text())
+    if change == "flip":
+        weights = copy / "expert_0" / "diffusion_pytorch_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    elif change == "unlisted":
+        (copy / "evil.py").write_text("raise SystemExit('imported')")
+        index["files"]["evil.py"] = file_sha256(copy / "evil.py")
+    else:  # a class that is not an adapter's, hashed as if it were published so
+        config = json.loads((copy / "expert_1" / "config.json").read_text())
+        (copy / "expert_1" / "config.json").write_text(json.dumps({**config, "_class_name": "ControlNetModel"}))
+        index["files"]["expert_1/config.json"] = file_sha256(copy / "expert_1" / "config.json")
+    (copy / "ddm.json").write_text(json.dumps(index))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("mine")
+    assert main(["import", str(copy), str(tmp_path / "mine")]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+    assert main(["import", str(copy), str(tmp_path / "imported")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "imported").exists() and not (tmp_path / ".imported.partial").exists()
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["keep.txt"]
