@@ -87,7 +87,8 @@ EPSILON_AT_STEPS = WITHOUT_ISLANDS + textwrap.dedent("""
 
 # A text-conditioned network sampled as Islands samples it for prompts (sample i for prompt i mod P, Euler, guidance
 # g: v = v_null + g (v_caption - v_null)): each prompt encoded by plain transformers from the encoder's folder as the
-# record says, the null caption read from the folder, and each class called as its diffusers pipeline calls it.
+# record says, the null caption read from the folder and stacked with the captions into one batch, as diffusers'
+# pipelines guide, and each class called as its diffusers pipeline calls it.
 TEXT_LOOP = WITHOUT_ISLANDS + textwrap.dedent("""
     import json
     import transformers
@@ -112,16 +113,15 @@ TEXT_LOOP = WITHOUT_ISLANDS + textwrap.dedent("""
 
     x = torch.from_numpy(np.load(f"{work}/noise.npy"))
     which = torch.arange(len(x)) % len(prompts)
-    caption = {key: encoded[key][which] for key in null}
-    null = {key: value.expand(len(x), *value.shape[1:]) for key, value in null.items()}
+    both = {key: torch.cat([null[key].expand(len(x), *null[key].shape[1:]), encoded[key][which]]) for key in null}
     model = getattr(diffusers, name).from_pretrained(out, subfolder="unet" if "UNet" in name else "transformer").eval()
-    b, c, h, w = x.shape
+    h, w = x.shape[2:]
     img_ids = torch.zeros(h // 2, w // 2, 3)  # Flux: FluxPipeline's _prepare_latent_image_ids
     img_ids[..., 1] += torch.arange(h // 2)[:, None]
     img_ids[..., 2] += torch.arange(w // 2)[None, :]
 
     def velocity(x, t, caption):
-        t = t.expand(len(x))
+        (b, c, h, w), t = x.shape, t.expand(len(x))
         if name == "UNet2DConditionModel":
             return model(x, t, **caption).sample
         if name == "SD3Transformer2DModel":
@@ -136,8 +136,8 @@ TEXT_LOOP = WITHOUT_ISLANDS + textwrap.dedent("""
     scheduler.set_timesteps(sigmas=np.linspace(1, 0, steps + 1)[:-1])
     with torch.no_grad():
         for t in scheduler.timesteps:
-            v_null = velocity(x, t, null)
-            x = scheduler.step(v_null + guidance * (velocity(x, t, caption) - v_null), t, x).prev_sample
+            v_null, v_caption = velocity(torch.cat([x, x]), t, both).chunk(2)
+            x = scheduler.step(v_null + guidance * (v_caption - v_null), t, x).prev_sample
     assert not any(m == "islands" or m.startswith("islands.") for m in sys.modules)
     np.save(f"{work}/diffusers.npy", x.numpy())
 """)
