@@ -17,13 +17,18 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
 import yaml
+from safetensors.torch import save_file
 
 from islands import __version__
 from islands.data.shards import file_sha256
 from islands.errors import CheckpointError, ConfigError
 from islands.generate import load_denoiser
+from islands.nets.text_folder import text_pooling
 from islands.rundir import CONFIG, describe_run, latest_checkpoint, weights_file
+from islands.train.captions import recorded_text_encoder
 
 # the folder each class's pipelines read it from
 COMPONENT = {"UNet2DModel": "unet", "UNet2DConditionModel": "unet", "DiTTransformer2DModel": "transformer",
@@ -33,6 +38,7 @@ COMPONENT = {"UNet2DModel": "unet", "UNet2DConditionModel": "unet", "DiTTransfor
 # folders are loaded a component at a time (`from_pretrained(OUT, subfolder=...)`).
 PIPELINE = {"UNet2DModel": "DDPMPipeline"}
 RECORD = "islands_export.json"
+NULL_CAPTION = "islands_null_caption.safetensors"
 
 
 def scheduler_for(cfg):
@@ -62,6 +68,33 @@ def scheduler_for(cfg):
                       f"takes rectified_flow and vp_discrete runs")
 
 
+def null_caption(net) -> dict[str, torch.Tensor]:
+    """A text network's learned null caption (Islands' own, not among the diffusers model's weights) as the diffusers
+    model's forward takes a caption, for one example, under the names of the arguments its class reads:
+    `model.text_tokens` rows of token states, the null token in row 0 and zeros below it (what SD3 and Flux read,
+    every row), their mask (the U-Net reads the null token alone; the rows below are masked off, so that a caption's
+    and the null's states stack into one batch), and the null pooled vector."""
+    text, rows = net.text, net.text.widths.tokens
+    with torch.no_grad():
+        states, mask = text.given_tokens(None, 1, "cpu")
+        caption = {"encoder_hidden_states": F.pad(states, (0, 0, 0, rows - states.shape[1])),
+                   "encoder_attention_mask": F.pad(mask.long(), (0, rows - mask.shape[1]))}
+        if "pooled_projections" in net.caption_arguments:
+            caption["pooled_projections"] = text.given_pooled(None, 1, "cpu")
+    return {name: caption[name].contiguous() for name in net.caption_arguments}
+
+
+def text_record(cfg, run_dir: Path, net) -> dict:
+    """How a caption reaches a text network: the encoder that made the run's captions (its name and weights' sha256),
+    the tokenizer's arguments (every caption `model.text_tokens` tokens, cut or padded: its token states are the
+    encoder's last hidden state, every row, pads included; its mask the tokenizer's attention mask), how the pooled
+    vector is made, the forward's arguments the class reads, and the file of the null caption."""
+    return {"text_encoder": cfg.data.text_encoder, "sha256": recorded_text_encoder(run_dir),
+            "tokenizer": {"padding": "max_length", "truncation": True, "max_length": cfg.model.text_tokens},
+            **text_pooling(cfg.data.text_encoder), "arguments": list(net.caption_arguments),
+            "null_caption": NULL_CAPTION}
+
+
 def export_run(run_dir: Path, out: Path) -> Path:
     """Write the diffusers folder of the run `run_dir` at `out` (which must not exist, or be an empty folder): built
     beside it and renamed into place, so a failed export leaves nothing behind."""
@@ -89,12 +122,15 @@ def export_run(run_dir: Path, out: Path) -> Path:
     building.mkdir(parents=True)
     model.save_pretrained(building / component, safe_serialization=True)
     scheduler.save_pretrained(building / "scheduler")
+    if net.text is not None:  # the null that unconditional samples and guidance read
+        save_file(null_caption(net), building / NULL_CAPTION)
     (building / "model_index.json").write_text(json.dumps(
         {"_class_name": PIPELINE.get(net.class_name, "DiffusionPipeline"), "_diffusers_version": diffusers.__version__,
          component: ["diffusers", net.class_name], "scheduler": ["diffusers", type(scheduler).__name__]}, indent=2))
     record = {"islands_version": __version__, "run_dir": str(run_dir), "checkpoint": ckpt.name,
               "weights": weights_file(ckpt, True).name, "config_sha256": file_sha256(run_dir / CONFIG),
               "config": yaml.safe_load((run_dir / CONFIG).read_text()),
+              **({"text": text_record(cfg, run_dir, net)} if net.text is not None else {}),
               "files": {str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*.safetensors"))}}
     (building / RECORD).write_text(json.dumps(record, indent=2))
     if out.exists():

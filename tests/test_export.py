@@ -1,6 +1,7 @@
 """`islands export RUN OUT/` (islands/export.py): the folder loads with plain diffusers in a process where Islands
 cannot be imported, and its network and scheduler, stepped from the noise `islands sample` draws, give the samples
-`islands sample` gives."""
+`islands sample` gives; a text-conditioned run's, with its prompts encoded by plain transformers as the folder's
+record says and its null caption from the folder, the samples `islands sample --prompt` gives under guidance."""
 
 import json
 import subprocess
@@ -11,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_unet_config, write_config
-from test_diffusers_nets import model_config
+from conftest import emoji_or_skip, tiny_unet_config, write_config
+from test_diffusers_nets import TEXT_CLASSES, emoji_diffusers_run, model_config
 
 from islands.cli import main
 from islands.config import validate
@@ -22,7 +23,9 @@ from islands.errors import ConfigError
 from islands.export import scheduler_for
 from islands.flow.paths import build_path
 from islands.generate import load_denoiser
-from islands.rundir import describe_run
+from islands.nets.text_folder import minilm_folder
+from islands.rundir import describe_run, latest_checkpoint, load_weights, save_weights
+from islands.trainer import train
 
 # No Islands in the process that reads the folder: every import of it fails.
 WITHOUT_ISLANDS = textwrap.dedent("""
@@ -79,6 +82,64 @@ EPSILON_AT_STEPS = WITHOUT_ISLANDS + textwrap.dedent("""
     with torch.no_grad():
         step = ddim.step(model(x, 800, class_labels=labels).sample, 800, x).prev_sample
     np.save(f"{work}/ddim.npy", step.numpy())
+""")
+
+
+# A text-conditioned network sampled as Islands samples it for prompts (sample i for prompt i mod P, Euler, guidance
+# g: v = v_null + g (v_caption - v_null)): each prompt encoded by plain transformers from the encoder's folder as the
+# record says, the null caption read from the folder and stacked with the captions into one batch, as diffusers'
+# pipelines guide, and each class called as its diffusers pipeline calls it.
+TEXT_LOOP = WITHOUT_ISLANDS + textwrap.dedent("""
+    import json
+    import transformers
+    from safetensors.torch import load_file
+
+    steps, guidance, encoder_folder = int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+    record = json.load(open(f"{out}/islands_export.json"))
+    name, text = record["config"]["model"]["class_name"], record["text"]
+    prompts = json.load(open(f"{work}/prompts.json"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(encoder_folder)
+    encoder = transformers.AutoModel.from_pretrained(encoder_folder).eval()
+    tokens = tokenizer([p.lower() for p in prompts] if text["lowercase"] else prompts, return_tensors="pt",
+                       **text["tokenizer"])
+    with torch.no_grad():
+        states = encoder(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).last_hidden_state
+    mask = tokens["attention_mask"]
+    assert text["pooling"] == "mean" and text["normalize"]  # the encoder's: sentence-transformers' mean, L2
+    pooled = torch.nn.functional.normalize((states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True), dim=1)
+    encoded = {"encoder_hidden_states": states, "encoder_attention_mask": mask, "pooled_projections": pooled}
+    null = load_file(f"{out}/{text['null_caption']}")
+    assert sorted(null) == sorted(text["arguments"]), null.keys()
+
+    x = torch.from_numpy(np.load(f"{work}/noise.npy"))
+    which = torch.arange(len(x)) % len(prompts)
+    both = {key: torch.cat([null[key].expand(len(x), *null[key].shape[1:]), encoded[key][which]]) for key in null}
+    model = getattr(diffusers, name).from_pretrained(out, subfolder="unet" if "UNet" in name else "transformer").eval()
+    h, w = x.shape[2:]
+    img_ids = torch.zeros(h // 2, w // 2, 3)  # Flux: FluxPipeline's _prepare_latent_image_ids
+    img_ids[..., 1] += torch.arange(h // 2)[:, None]
+    img_ids[..., 2] += torch.arange(w // 2)[None, :]
+
+    def velocity(x, t, caption):
+        (b, c, h, w), t = x.shape, t.expand(len(x))
+        if name == "UNet2DConditionModel":
+            return model(x, t, **caption).sample
+        if name == "SD3Transformer2DModel":
+            return model(x, timestep=t, **caption).sample
+        # FluxPipeline's _pack_latents, its timestep / 1000, its ids, and _unpack_latents
+        packed = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, 4 * c)
+        out = model(packed, timestep=t / 1000, img_ids=img_ids.reshape(-1, 3),
+                    txt_ids=torch.zeros(caption["encoder_hidden_states"].shape[1], 3), **caption).sample
+        return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(out, subfolder="scheduler")
+    scheduler.set_timesteps(sigmas=np.linspace(1, 0, steps + 1)[:-1])
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            v_null, v_caption = velocity(torch.cat([x, x]), t, both).chunk(2)
+            x = scheduler.step(v_null + guidance * (v_caption - v_null), t, x).prev_sample
+    assert not any(m == "islands" or m.startswith("islands.") for m in sys.modules)
+    np.save(f"{work}/diffusers.npy", x.numpy())
 """)
 
 
@@ -186,3 +247,40 @@ def test_the_scheduler_has_the_runs_betas_and_a_path_no_scheduler_steps_is_refus
         scheduler(path="cosine", prediction="epsilon")
     with pytest.raises(ConfigError, match="flow.prediction: 'epsilon'"):
         scheduler(path="rectified_flow", prediction="epsilon")
+
+
+@pytest.mark.parametrize("class_name", TEXT_CLASSES)
+def test_a_text_conditioned_export_samples_prompts_under_guidance_in_plain_diffusers_as_islands_does(
+        tmp_path, class_name, capsys):
+    """On the emoji's captions: the exported network, its null caption and its scheduler, with prompts encoded by
+    plain transformers as the record says, sample what `islands sample --prompt` samples from the same noise, guided
+    (the caption's and the null's velocities both)."""
+    emoji_or_skip()
+    torch.set_num_threads(1)
+    run = train(validate(emoji_diffusers_run(tmp_path / "run", class_name)), progress=False)
+    # the null made far from its zero start, as a longer run learns it, so that a null shipped wrong shows
+    ema = latest_checkpoint(run) / "ema.safetensors"
+    weights = load_weights(ema)
+    gen = torch.Generator().manual_seed(0)
+    for key in [k for k in weights if k.startswith("text.null_")]:
+        weights[key] = torch.randn(weights[key].shape, generator=gen)
+    save_weights(weights, ema)
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+
+    prompts, num, steps, guidance = ["red apple", "grinning face"], 4, 3, 3.0
+    assert main(["sample", str(run), "--num", str(num), "--steps", str(steps), "--solver", "euler", "--guidance",
+                 str(guidance), "--prompt", prompts[0], "--prompt", prompts[1], "--out", str(tmp_path / "drawn"),
+                 "--quiet"]) == 0
+    islands = np.load(tmp_path / "drawn" / "samples.npz")["x"]
+    cfg, info = describe_run(run)
+    noise = streams.normal(cfg.seed, list(range(num)), tuple(info["shape"]), "sample")  # as islands/generate.py
+    np.save(tmp_path / "noise.npy", noise.numpy())
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    run_without_islands(TEXT_LOOP, tmp_path / "out", tmp_path, steps, guidance, minilm_folder())
+    drawn = np.load(tmp_path / "diffusers.npy")
+    assert (np.abs(drawn) < 1).mean() > 0.5  # most values are not clamped: the comparison sees them
+    np.testing.assert_allclose(drawn.clip(-1, 1), islands, atol=1e-4)
+
+    record = json.loads((tmp_path / "out" / "islands_export.json").read_text())
+    assert record["text"]["sha256"] == json.loads((run / "text_encoder.json").read_text())["sha256"]
+    assert record["text"]["text_encoder"] == "minilm" and record["text"]["tokenizer"]["max_length"] == 16

@@ -60,6 +60,7 @@ class DiffusersNetwork(StagedNetwork):
 
     block_lists: tuple[str, ...] = ()
     head_names: tuple[str, ...] = ()
+    caption_arguments: tuple[str, ...] = ()  # the forward's arguments a caption becomes (a text network's)
 
     @staticmethod
     def arguments(config: dict, shape: tuple, num_classes: int, text: TextWidths | None) -> dict:
@@ -228,6 +229,8 @@ class UNet2DCondition(UNet2D):
     """`UNet2DConditionModel`: Stable Diffusion's U-Net, its cross-attention reading the caption's token states
     (`cross_attention_dim` = the encoder's width) under their mask; the pooled vector is not read."""
 
+    caption_arguments = ("encoder_hidden_states", "encoder_attention_mask")
+
     @staticmethod
     def arguments(config, shape, num_classes, text):
         _same_size(config, shape)
@@ -337,6 +340,8 @@ class DiT(DiffusersNetwork):
 
 class _TextTransformer(DiffusersNetwork):
     """What SD3 and Flux share: the caption's token states and pooled vector read as they come, every row read."""
+
+    caption_arguments = ("encoder_hidden_states", "pooled_projections")
 
     def text_null(self, text):
         return _FullLengthNull(text)

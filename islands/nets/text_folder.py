@@ -266,12 +266,26 @@ def _quiet(logging):
             logging.enable_progress_bar()
 
 
+def _described(name: str) -> tuple[Path, dict, str]:
+    """(folder, config, architecture) of the text encoder `name` ("minilm", or a folder), from its config alone."""
+    folder = minilm_folder() if name == "minilm" else Path(name)
+    config = _json(folder, CONFIG)
+    return folder, config, _architecture(folder, config)
+
+
+def text_pooling(name: str) -> dict:
+    """How the text encoder `name` makes a caption's pooled vector ("pooling": one of POOLINGS, "normalize": L2, after
+    it) and whether it lowers captions first ("lowercase"), from its config files alone: for an exported run's
+    record, so that a caption is encoded elsewhere as the run encoded it."""
+    folder, _, architecture = _described(name)
+    pooling, normalize, _, lowercase = _pooling(folder, architecture)
+    return {"pooling": pooling, "normalize": normalize, "lowercase": lowercase}
+
+
 def text_widths(name: str) -> tuple[int, int]:
     """(token width, pooled width) of the text encoder `name` ("minilm", or a folder) from its config files alone,
     for a config to size its network before any weights are read."""
-    folder = minilm_folder() if name == "minilm" else Path(name)
-    config = _json(folder, CONFIG)
-    architecture = _architecture(folder, config)
+    folder, config, architecture = _described(name)
     width = int(config.get("hidden_size") or config.get("d_model") or 0)
     if width < 1:
         raise DataError(f"text encoder folder {folder}: {CONFIG} gives no hidden_size or d_model")
