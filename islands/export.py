@@ -26,6 +26,7 @@ from islands import __version__
 from islands.data.shards import file_sha256
 from islands.errors import CheckpointError, ConfigError
 from islands.generate import load_denoiser
+from islands.nets.diffusers_net import NULL_CAPTION
 from islands.nets.text_folder import text_pooling
 from islands.rundir import CONFIG, describe_run, latest_checkpoint, weights_file
 from islands.train.captions import recorded_text_encoder
@@ -38,7 +39,6 @@ COMPONENT = {"UNet2DModel": "unet", "UNet2DConditionModel": "unet", "DiTTransfor
 # folders are loaded a component at a time (`from_pretrained(OUT, subfolder=...)`).
 PIPELINE = {"UNet2DModel": "DDPMPipeline"}
 RECORD = "islands_export.json"
-NULL_CAPTION = "islands_null_caption.safetensors"
 
 
 def scheduler_for(cfg):
@@ -113,8 +113,7 @@ def export_run(run_dir: Path, out: Path) -> Path:
     if latest_checkpoint(run_dir) != ckpt:  # the run is training: the record must name the weights exported
         raise CheckpointError(f"{run_dir} wrote a new checkpoint while it was read; export again")
     net = denoiser.net
-    model = getattr(diffusers, net.class_name)(**net.diffusers_config)
-    model.load_state_dict(net.diffusers_state_dict())  # strict: every weight under its diffusers name
+    model = net.to_diffusers()
     component = COMPONENT[net.class_name]
 
     building = out.with_name(f".{out.name}.partial")

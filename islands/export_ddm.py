@@ -1,7 +1,8 @@
 """An ensemble as the open DDM checkpoints ship one (`islands export ENSEMBLE OUT/`), sampled by plain diffusers.
 
 OUT/expert_N/ holds expert N as its own diffusers class (`save_pretrained` of the weights the manifest verified, a
-text-conditioned one with text_null.safetensors beside, its learned "no caption"); OUT/router/ the router as
+text-conditioned one with islands_null_caption.safetensors beside, its learned "no caption", as the forward takes
+a caption); OUT/router/ the router as
 `DDMRouter` (islands/ddm/diffusers_pipeline.py, whose weights carry Islands' names, so no conversion touches them);
 OUT/scheduler/ the rectified-flow scheduler; OUT/partition/ the partition as Islands wrote it (sizes, shares per
 class, centroids); OUT/condition_router/ p(cluster | caption) on text; OUT/pipeline.py the pipeline that samples
@@ -26,7 +27,8 @@ from islands.ddm.mixture import DEFAULT_ROUTING
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
 from islands.ddm.runs import partition_dir
 from islands.errors import ConfigError
-from islands.export import scheduler_for
+from islands.export import null_caption, scheduler_for, text_record
+from islands.nets.diffusers_net import NULL_CAPTION
 
 INDEX = diffusers_pipeline.INDEX
 
@@ -81,17 +83,15 @@ def export_ensemble(root: Path, out: Path) -> Path:
         folder = f"expert_{k}"
         net.to_diffusers().save_pretrained(building / folder, safe_serialization=True)
         if net.text is not None:  # its learned "no caption", which the diffusers class does not hold
-            save_file({name: p.detach().contiguous() for name, p in net.text.state_dict().items()},
-                      building / folder / "text_null.safetensors")
+            save_file(null_caption(net), building / folder / NULL_CAPTION)
+            text = text_record(cfg, root / entry["run"], net)
         experts.append({"name": entry["name"], "folder": folder, "class_name": net.class_name, "cluster": k,
                         "size": entry["size"], "source_sha256": entry["sha256"]})
     index = {"_class_name": "DDMPipeline", "islands_version": __version__, "k": manifest["k"],
              "shape": manifest["experts"][0]["shape"], "num_classes": cfg.model.num_classes,
              "condition": cfg.model.condition, "prior": manifest["prior"], "experts": experts}
-    if cfg.model.condition == "text":
-        index.update(text_tokens=cfg.model.text_tokens, text_width=cfg.model.text_width,
-                     text_pooled_width=cfg.model.text_pooled_width,
-                     text_encoder_sha256=manifest.get("text_encoder_sha256"))
+    if cfg.model.condition == "text":  # how a prompt becomes the experts' caption (every expert encodes alike)
+        index["text"] = {k: v for k, v in text.items() if k not in ("arguments", "null_caption")}
     if manifest.get("prior_by_class"):  # the last row: no class, the sizes
         index["prior_by_class"] = manifest["prior_by_class"] + [manifest["prior"]]
     router = manifest["router"]

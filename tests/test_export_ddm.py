@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from conftest import random_images, tiny_unet_config
+from conftest import emoji_or_skip, random_images, tiny_unet_config
 from test_diffusers_nets import CLASS_LABELS, ensemble_of, model_config, randomised
 from test_export import WITHOUT_ISLANDS, run_without_islands
 
@@ -237,3 +237,61 @@ def test_a_folder_that_is_not_what_its_index_says_is_refused_in_one_line(ensembl
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "imported").exists() and not (tmp_path / ".imported.partial").exists()
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["keep.txt"]
+
+
+# --- on text: SD3, Flux and an SD U-Net on the emoji's captions ---------------------------------------------------
+
+SAMPLE_PROMPTS = WITHOUT_ISLANDS + textwrap.dedent("""
+    import importlib.util, json
+    sys.dont_write_bytecode = True
+    spec = importlib.util.spec_from_file_location("ddm_pipeline", f"{out}/pipeline.py")
+    ddm_pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ddm_pipeline)
+    pipe = ddm_pipeline.DDMPipeline.from_folder(out)
+    caption = ddm_pipeline.Caption(*(torch.from_numpy(np.load(f"{work}/{name}.npy"))
+                                     for name in ("states", "mask", "pooled")))
+    noise, clusters = torch.from_numpy(np.load(f"{work}/noise.npy")), torch.from_numpy(np.load(f"{work}/clusters.npy"))
+    for routing in json.loads(sys.argv[3]):
+        x = pipe(len(noise), caption=caption, routing=routing, num_inference_steps=int(sys.argv[4]),
+                 guidance_scale=float(sys.argv[5]), latents=noise, clusters=clusters)
+        np.save(f"{work}/{routing.replace(':', '_')}.npy", x.numpy())
+""")
+
+
+def test_a_text_conditioned_ensemble_samples_prompts_in_plain_diffusers_and_reads_back(tmp_path):
+    """Each expert's learned null caption (guidance), the router's pooled caption and the condition router's
+    p(cluster | caption) travel with the folder: the pipeline's samples are Islands' under three policies, and the
+    folder imported back samples bit for bit as the ensemble it came from."""
+    from test_diffusers_nets import TEXT_CLASSES, emoji_diffusers_run
+
+    from islands.ddm.ensemble import load_condition_prior
+
+    emoji_or_skip()
+    torch.set_num_threads(1)
+    cfg = emoji_diffusers_run(tmp_path / "ens", "SD3Transformer2DModel", sample_every=0)
+    cfg["data"]["limit"] = 64
+    cfg["eval"] = {"num": 8, "metrics": ["fd"], "features": "pixels"}
+    cfg["sample"] = {"steps": 3, "solver": "euler", "guidance": 3.0}
+    ensemble_of(tmp_path / "ddm.yaml", cfg, TEXT_CLASSES[1:] + TEXT_CLASSES[:1])
+    root, out = tmp_path / "ens", tmp_path / "out"
+    assert main(["export", str(root), str(out)]) == 0
+
+    opts, routings = {"steps": 3, "solver": "euler", "guidance": 3.0}, ("ancestral", "top1", "full")
+    sampler = open_sampler(root, opts, routing="ancestral")
+    packed = sampler.prompted(["red apple", "grinning face", "blue heart"], 4)
+    width, pooled_width = sampler.cfg.model.text_width, sampler.cfg.model.text_pooled_width
+    depth = max(width, pooled_width)
+    noise = streams.normal(sampler.cfg.seed, list(range(4)), sampler.shape, "sample")
+    clusters = ancestral_clusters(sampler.manifest, sampler.cfg.seed, 0, 4, packed,
+                                  condition_prior=load_condition_prior(root, sampler.manifest))
+    for name, value in (("states", packed[:, 1:, :width]), ("mask", packed[:, 1:, depth] > 0.5),
+                        ("pooled", packed[:, 0, :pooled_width]), ("noise", noise), ("clusters", clusters)):
+        np.save(tmp_path / f"{name}.npy", value.numpy())
+    run_without_islands(SAMPLE_PROMPTS, out, tmp_path, json.dumps(routings), 3, 3.0)
+    for routing in routings:
+        drawn = open_sampler(root, opts, routing=routing).generate(4, packed)
+        np.testing.assert_allclose(np.load(tmp_path / f"{routing}.npy"), drawn.numpy(), atol=1e-4, err_msg=routing)
+
+    assert main(["import", str(out), str(tmp_path / "imported")]) == 0
+    again = open_sampler(tmp_path / "imported", opts, routing="top1").generate(4, packed)
+    assert torch.equal(again, open_sampler(root, opts, routing="top1").generate(4, packed))

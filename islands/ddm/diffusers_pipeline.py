@@ -9,15 +9,15 @@ diffusers and safetensors are all it needs), so whoever receives the folder samp
     images = pipe(8, class_labels=torch.arange(8) % 4, routing="topk:2", num_inference_steps=32, guidance_scale=2)
 
 The folder, in the layout of the open DDM checkpoints: expert_N/ (each expert as its own diffusers class,
-config.json and diffusion_pytorch_model.safetensors; a text-conditioned one also text_null.safetensors, the learned
-"no caption" it was trained with), router/ (`DDMRouter` below), scheduler/ (FlowMatchEulerDiscreteScheduler),
-partition/ (the clusters' sizes, their shares per class, the centroids), condition_router/ on text (p(cluster |
-caption)), and ddm.json, which names all of them with each file's sha256. Every file is checked against it when read
-and deserialised from the bytes that were hashed, as safetensors: nothing is unpickled and no class is built that
-is not on EXPERT_CLASSES.
+config.json and diffusion_pytorch_model.safetensors; a text-conditioned one also islands_null_caption.safetensors,
+the learned "no caption" it was trained with, as its forward takes a caption), router/ (`DDMRouter` below),
+scheduler/ (FlowMatchEulerDiscreteScheduler), partition/ (the clusters' sizes, their shares per class, the
+centroids), condition_router/ on text (p(cluster | caption)), and ddm.json, which names all of them with each file's
+sha256. Every file is checked against it when read and deserialised from the bytes that were hashed, as safetensors:
+nothing is unpickled and no class is built that is not on EXPERT_CLASSES.
 
 The experts were trained on the clusters of one partition; the velocity of the whole data set is
-u(x_t, t) = sum_k p(k | x_t, t) u_k(x_t, t) (McAllister et al. 2025, arXiv 2501.05450, eq. 7), with the router's
+u(x_t, t) = sum_k p(k | x_t, t) u_k(x_t, t) (McAllister et al. 2025, arXiv 2501.05450), with the router's
 p(k | x_t, t). A routing policy picks the experts each sample evaluates (ROUTINGS); classifier-free guidance runs
 inside each expert, weighted by the conditional call's routing. Times are the rectified-flow sigma: x_t = (1 - t) x0
 + t eps, sampled with Euler steps from t = 1 to 0, as `islands sample --solver euler` samples.
@@ -40,6 +40,7 @@ EXPERT_CLASSES = ("UNet2DModel", "UNet2DConditionModel", "DiTTransformer2DModel"
                   "FluxTransformer2DModel")
 ROUTINGS = ("ancestral", "full", "top1", "topk:K", "nucleus:P", "sample", "ancestral_then:topk:K@T")
 INDEX = "ddm.json"
+NULL_CAPTION = "islands_null_caption.safetensors"
 
 
 # --- reading the folder --------------------------------------------------------------------------------------------
@@ -201,27 +202,14 @@ class Caption:
         return Caption(self.states[rows], self.mask[rows], self.pooled[rows])
 
 
-def _no_caption(null: dict, text_tokens: int, batch: int, full_length: bool, like: torch.Tensor) -> Caption:
-    """What an expert was trained to read for no caption: its learned null token (first row, the only one unmasked)
-    and null pooled vector; an MM-DiT (SD3, Flux) reads every row, so its null has a caption's length of rows."""
-    token = null["null_token"].to(like)
-    rows = text_tokens if full_length else 1
-    states = torch.zeros(batch, rows, token.shape[0], dtype=like.dtype, device=like.device)
-    states[:, 0] = token
-    mask = torch.zeros(batch, rows, dtype=torch.bool, device=like.device)
-    mask[:, 0] = True
-    pooled = null.get("null_pooled", torch.zeros(1)).to(like).expand(batch, -1)
-    return Caption(states, mask, pooled)
-
-
 class Expert:
     """One expert's velocity, called as its class's own pipelines call it: the timestep scale (0-999 for the U-Nets
     and DiT, sigma x 1000 for SD3, [0, 1] for Flux, which scales it itself), its conditioning, Flux's 2x2 packing,
     DiT's learned sigma sliced off."""
 
-    def __init__(self, model, num_classes: int, null: dict | None, text_tokens: int):
+    def __init__(self, model, num_classes: int, null: dict | None):
         self.model, self.name = model, type(model).__name__
-        self.num_classes, self.null, self.text_tokens = num_classes, null, text_tokens
+        self.num_classes, self.null = num_classes, null  # null: islands_null_caption.safetensors, a text expert's
 
     def no_class(self, batch, device):
         none = self.model.config.num_embeds_ada_norm if self.name == "DiTTransformer2DModel" else self.num_classes
@@ -233,8 +221,11 @@ class Expert:
             if labels is None and (self.num_classes or self.name == "DiTTransformer2DModel"):
                 labels = self.no_class(len(x), x.device)
             return m(x, 1000 * t, class_labels=labels).sample[:, :x.shape[1]]
-        if caption is None:
-            caption = _no_caption(self.null, self.text_tokens, len(x), self.name != "UNet2DConditionModel", x)
+        if caption is None:  # its learned null: text_tokens rows, the null token first (the U-Net reads it alone)
+            null = self.null
+            caption = Caption(null["encoder_hidden_states"].to(x).expand(len(x), -1, -1),
+                              null.get("encoder_attention_mask", torch.ones(1, 1)).to(x.device).expand(len(x), -1),
+                              null.get("pooled_projections", torch.zeros(1, 1)).to(x).expand(len(x), -1))
         if self.name == "UNet2DConditionModel":
             return m(x, 1000 * t, encoder_hidden_states=caption.states.to(x.dtype),
                      encoder_attention_mask=caption.mask).sample
@@ -313,11 +304,10 @@ class DDMPipeline:
                 raise ValueError(f"{root / entry['folder']}: {config.get('_class_name')!r} is not one of "
                                  f"{', '.join(EXPERT_CLASSES)}")
             model = load_component(root, files, entry["folder"], getattr(diffusers, config["_class_name"]))
-            null = None
-            if f"{entry['folder']}/text_null.safetensors" in files:
-                name = f"{entry['folder']}/text_null.safetensors"
+            null, name = None, f"{entry['folder']}/{NULL_CAPTION}"
+            if name in files:
                 null = {k: v.to(device) for k, v in safetensors_load(read_verified(root, name, files[name])).items()}
-            experts.append(Expert(model.to(device), index["num_classes"], null, index.get("text_tokens", 0)))
+            experts.append(Expert(model.to(device), index["num_classes"], null))
         router = load_component(root, files, "router", DDMRouter).to(device) if "router" in index else None
         scheduler_config = "scheduler/scheduler_config.json"
         scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(

@@ -31,12 +31,12 @@ from islands.ddm.ensemble import MANIFEST, member_network
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
 from islands.errors import CheckpointError, ConfigError
 from islands.generate import uninitialised_network
-from islands.nets.diffusers_net import ADAPTERS
+from islands.nets.diffusers_net import ADAPTERS, NULL_CAPTION
 from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, load_weights, save_weights, weights_file
 
 INDEX = "ddm.json"
 # every file an exported ensemble may hold, and nothing else is read
-ALLOWED = re.compile(r"(expert_\d+/(config\.json|diffusion_pytorch_model\.safetensors|text_null\.safetensors)"
+ALLOWED = re.compile(rf"(expert_\d+/(config\.json|diffusion_pytorch_model\.safetensors|{re.escape(NULL_CAPTION)})"
                      r"|router/(config\.json|diffusion_pytorch_model\.safetensors)|scheduler/scheduler_config\.json"
                      rf"|partition/({re.escape(META_FILE)}|{re.escape(ARRAYS_FILE)})"
                      rf"|{ROUTER_FOLDER}/{re.escape(ROUTER_WEIGHTS)}|pipeline\.py)")
@@ -126,8 +126,12 @@ def _imported_experts(folder: _Folder, cfg, building: Path) -> list[dict]:
                                     index["num_classes"])
         try:
             net.load_diffusers_state_dict(folder.weights(f"{name}/diffusion_pytorch_model.safetensors"))
-            if net.text is not None:
-                net.text.load_state_dict(folder.weights(f"{name}/text_null.safetensors"))
+            if net.text is not None:  # the null caption as the forward takes it: its first token row, its pooled
+                null = folder.weights(f"{name}/{NULL_CAPTION}")
+                own = {"null_token": null["encoder_hidden_states"][0, 0]}
+                if "pooled_projections" in null:
+                    own["null_pooled"] = null["pooled_projections"][0]
+                net.text.load_state_dict(own)
         except (ValueError, RuntimeError) as err:
             reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise CheckpointError(f"{folder.root / name}: {reason}") from None

@@ -445,6 +445,9 @@ class Flux(_TextTransformer):
         return out.view(b, side // 2, side // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, side, side)
 
 
+# a text network's learned null caption, exported beside its weights as the forward takes a caption (islands/export.py)
+NULL_CAPTION = "islands_null_caption.safetensors"
+
 ADAPTERS = {"UNet2DModel": UNet2D, "UNet2DConditionModel": UNet2DCondition, "DiTTransformer2DModel": DiT,
             "SD3Transformer2DModel": SD3, "FluxTransformer2DModel": Flux}
 
