@@ -1,7 +1,10 @@
 import os
+import resource
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,6 +89,48 @@ def private_cache(tmp_path_factory):
     import os
 
     os.environ["ISLANDS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+AUTOGROUP = Path("/proc/self/autogroup")  # where the kernel groups a session's processes (CONFIG_SCHED_AUTOGROUP)
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds the machine has been busy, of which this process and the children it waited for)."""
+    ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    own = sum(u.ru_utime + u.ru_stime for u in usage)
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), own  # all but idle and iowait
+
+
+@pytest.fixture(autouse=True)
+def ahead_of_other_work(request):
+    """A timed (serial) test and the processes it starts run ahead of whatever else the machine runs, where the user
+    may raise priorities (root, as CI runs): on 2 cores another busy process slowed one-thread steps 2 to 3.5 times,
+    by the second, so a prediction measured a few seconds before its run missed it by up to 50%. Yields the cores
+    the rest of the machine kept busy on average meanwhile, for the test's message."""
+    if request.node.get_closest_marker("serial") is None:
+        yield None
+        return
+    nice, grouped = os.getpriority(os.PRIO_PROCESS, 0), AUTOGROUP.exists()
+    group_nice = AUTOGROUP.read_text().split()[-1] if grouped else None
+    try:  # the session's group first: between sessions the kernel shares by group, whatever each process's nice
+        if grouped:
+            AUTOGROUP.write_text("-20")
+        os.setpriority(os.PRIO_PROCESS, 0, -20)
+        raised = True
+    except PermissionError:
+        raised = False
+    before, start = cpu_seconds(), time.perf_counter()
+
+    def others_cores() -> float:
+        machine, own = (now - then for now, then in zip(cpu_seconds(), before, strict=True))
+        return (machine - own) / (time.perf_counter() - start)
+
+    yield others_cores
+    if raised:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        if grouped:
+            AUTOGROUP.write_text(group_nice)
 
 
 def installed_or_skip(paths, packages: str, what: str) -> None:

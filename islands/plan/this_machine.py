@@ -32,17 +32,24 @@ SKIP_FIRST, SKIP_LAST = 4, 1
 
 def measured_link(ranks: int, network: dict | None = None, timeout_s: float = 120.0) -> dict:
     """Latency (us) and bandwidth (Gbit/s) of gloo's all-reduce between `ranks` local processes, alone and inside
-    a DDP step of the `network` described (probe.py's NETWORK.json)."""
+    a DDP step of the `network` described (probe.py's NETWORK.json). The ranks are started as torchrun starts them
+    (RANK, WORLD_SIZE, MASTER_ADDR/PORT) but without its agent, whose own start took a third of a plan's time."""
     with tempfile.TemporaryDirectory() as tmp:
         out, described = Path(tmp) / "probe.json", Path(tmp) / "network.json"
         described.write_text(json.dumps(network))
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--nnodes=1",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "islands.parallel.probe", str(out),
-               *([str(described)] if network else [])]
-        done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                              timeout=timeout_s)
-        if done.returncode != 0:
-            raise RuntimeError(f"the all-reduce probe failed: {done.stderr.strip().splitlines()[-1:]}")
+        cmd = [sys.executable, "-m", "islands.parallel.probe", str(out), *([str(described)] if network else [])]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+        try:
+            errors = [proc.communicate(timeout=timeout_s)[1] for proc in procs]
+        finally:
+            for proc in procs:  # a rank whose peer failed would wait for it until its own timeout
+                proc.kill()
+        failed = next((err for proc, err in zip(procs, errors, strict=True) if proc.returncode != 0), None)
+        if failed is not None:
+            raise RuntimeError(f"the all-reduce probe failed: {failed.strip().splitlines()[-1:]}")
         return json.loads(out.read_text())
 
 
