@@ -173,6 +173,8 @@ def test_an_imported_ensemble_samples_evaluates_and_distills_as_the_one_exported
     assert main(["distill", str(imported), "train.images=16", "train.checkpoint_every=16", "--teacher", "full",
                  "--quiet"]) == 0
     assert (imported / "distilled" / "checkpoints").is_dir()
+    assert main(["report", str(imported), "--out", str(tmp_path / "report.html")]) == 0
+    assert "expert1" in (tmp_path / "report.html").read_text()
 
 
 def test_a_run_trained_here_joins_an_imported_ensemble_as_one_more_expert(ensemble, tmp_path, capsys):
@@ -182,7 +184,8 @@ def test_a_run_trained_here_joins_an_imported_ensemble_as_one_more_expert(ensemb
     np.savez(tmp_path / "theirs.npz", x=rng.integers(0, 256, size=(32, 1, 8, 8), dtype=np.uint8), y=np.arange(32) % 4)
     cfg = tiny_unet_config(tmp_path / "run", tmp_path / "theirs.npz", train={
         "images": 16, "checkpoint_every": 16, "sample_every": 0, "warmup_images": 0})
-    cfg["model"] = model_config("DiTTransformer2DModel", 4)
+    # the new island starts from a published expert (a diffusers folder), as a fine-tune on its own data
+    cfg["model"] = model_config("DiTTransformer2DModel", 4, pretrained=str(ensemble / "out" / "expert_0"))
     from conftest import write_config
 
     assert main(["train", write_config(tmp_path / "run.yaml", cfg), "--quiet"]) == 0
