@@ -1,6 +1,5 @@
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import torch
 import yaml
 
 from islands.config import validate
+from islands.parallel.launch import run_local_ranks
 from islands.rundir import save_weights
 
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)  # two xdist workers share the 2 cores
@@ -32,21 +32,9 @@ def image_npz(tmp_path):
 
 
 def run_ranks(argv: list[str], nproc: int = 2, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """`python -m islands ARGV` on `nproc` ranks started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT,
-    one thread each) but without its agent, whose parser would take options such as --num for its own."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ranks = [subprocess.Popen([sys.executable, "-m", "islands", *argv],
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
-                                   "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(nproc)]
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in ranks]
-    finally:
-        for p in ranks:
-            p.kill()
-    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(ranks, outputs, strict=True)]
+    """`python -m islands ARGV` on `nproc` ranks started as torchrun starts them but without its agent, whose parser
+    would take options such as --num for its own."""
+    return run_local_ranks([sys.executable, "-m", "islands", *argv], nproc, timeout)
 
 
 def write_config(path, cfg: dict) -> str:

@@ -28,7 +28,7 @@ from islands.data.sources import build_source
 from islands.errors import TrainingStopped
 from islands.nets import build_network
 from islands.parallel.costs import bytes_per_step
-from islands.parallel.launch import World, free_port
+from islands.parallel.launch import World, free_port, run_local_ranks
 from islands.parallel.ledger import bytes_sent
 from islands.rundir import checkpoint_dir, latest_checkpoint, list_checkpoints, load_weights, read_state
 from islands.train.checkpoint import adam_state, read_sharded
@@ -627,20 +627,8 @@ def launch_ranks(nproc: int, config: dict, tmp_path, *overrides: str) -> list[su
     status and stderr are seen."""
     path = tmp_path / "ranks.yaml"
     path.write_text(yaml.safe_dump(config))
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "islands", "train", str(path), *overrides, "--quiet"],
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
-                                   "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(nproc)]
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        outputs = [p.communicate(timeout=deadline - time.monotonic()) for p in procs]
-        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs, strict=True)]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    return run_local_ranks([sys.executable, "-m", "islands", "train", str(path), *overrides, "--quiet"], nproc,
+                           TIMEOUT_S)
 
 
 def test_a_loss_non_finite_on_one_rank_only_skips_the_step_on_both_and_max_nonfinite_stops_both(tmp_path):

@@ -168,8 +168,8 @@ class DDMRouter(ModelMixin, ConfigMixin):
 
     def forward(self, x, t, class_labels=None, pooled=None):
         """Logits (B, K); `class_labels` None (or the index num_classes): no class; `pooled` None: no caption."""
-        none = self.config.num_classes
-        labels = torch.full((len(x),), none, device=x.device) if class_labels is None else class_labels
+        none = self.config.num_classes  # a router that reads no class routes every sample by the sizes' row
+        labels = class_labels if class_labels is not None and none else torch.full((len(x),), none, device=x.device)
         h = self.x_embedder(x).flatten(2).transpose(1, 2) + self.pos_embed
         c = self.embed(t, labels, pooled)
         for block in self.blocks:

@@ -7,6 +7,8 @@ them the run is a single process and nothing is initialised.
 import gc
 import os
 import socket
+import subprocess
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -131,6 +133,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_local_ranks(argv: list[str], ranks: int, timeout_s: float, env: dict | None = None,
+                    ) -> list[subprocess.CompletedProcess]:
+    """`argv` on `ranks` processes of this machine started as torchrun starts them (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, MASTER_ADDR/PORT on 127.0.0.1, one thread each) but without its agent, whose own start is
+    slow and which stops the other ranks as soon as one fails: each rank's exit status and output are seen. Every
+    rank is killed once all have ended or `timeout_s` has passed (subprocess.TimeoutExpired)."""
+    shared = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks),
+              "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen(argv, env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+    try:
+        deadline = time.monotonic() + timeout_s
+        outputs = [p.communicate(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:  # a rank whose peer failed would wait for it until its own timeout
+            p.kill()
+    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs, strict=True)]
 
 
 def close_world() -> None:

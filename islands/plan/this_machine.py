@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from islands.config import to_dict, validate
-from islands.parallel.launch import free_port
+from islands.parallel.launch import run_local_ranks
 from islands.plan.network import Link, Network
 from islands.train.logbook import read_metrics
 
@@ -37,17 +37,9 @@ def measured_link(ranks: int, network: dict | None = None, timeout_s: float = 12
     with tempfile.TemporaryDirectory() as tmp:
         out, described = Path(tmp) / "probe.json", Path(tmp) / "network.json"
         described.write_text(json.dumps(network))
-        cmd = [sys.executable, "-m", "islands.parallel.probe", str(out), *([str(described)] if network else [])]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True) for r in range(ranks)]
-        try:
-            errors = [proc.communicate(timeout=timeout_s)[1] for proc in procs]
-        finally:
-            for proc in procs:  # a rank whose peer failed would wait for it until its own timeout
-                proc.kill()
-        failed = next((err for proc, err in zip(procs, errors, strict=True) if proc.returncode != 0), None)
+        done = run_local_ranks([sys.executable, "-m", "islands.parallel.probe", str(out),
+                                *([str(described)] if network else [])], ranks, timeout_s)
+        failed = next((rank.stderr for rank in done if rank.returncode != 0), None)
         if failed is not None:
             raise RuntimeError(f"the all-reduce probe failed: {failed.strip().splitlines()[-1:]}")
         return json.loads(out.read_text())
