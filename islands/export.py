@@ -4,7 +4,10 @@ OUT/unet/ or OUT/transformer/ holds the run's network as its own diffusers class
 with the EMA weights of the latest checkpoint, the ones `islands sample` draws with; OUT/scheduler/ the diffusers
 scheduler of the run's path; OUT/model_index.json names both, as a diffusers pipeline folder does; and
 OUT/islands_export.json records where they came from (the run's config, Islands' version, each weights file's
-sha256). Only `model.arch: diffusers` runs export: Islands' own networks have no diffusers class.
+sha256). A run of Islands' own U-Net or DiT, which no diffusers class computes exactly, exports as IslandsUNet or
+IslandsDiT (islands/nets/diffusers_wrapper.py), whose code ships beside it in OUT/islands_networks/: the networks'
+own files, copied as they are but for their imports of each other, which are made relative (`shipped_source`), so
+that a plain diffusers process imports them with OUT on its sys.path.
 
 The scheduler's times are those of the run's path: a rectified-flow network's velocity eps - x0 at sigma = t is
 what FlowMatchEulerDiscreteScheduler steps with, and a `vp_discrete` network's steps 0-999 are DDPMScheduler's with
@@ -14,6 +17,7 @@ grid ends at sigma 1 / 1000 instead of 0, so the same samples take `scheduler.se
 """
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -22,10 +26,11 @@ import torch.nn.functional as F
 import yaml
 from safetensors.torch import save_file
 
-from islands import __version__
+from islands import __version__, nets
 from islands.data.shards import file_sha256
 from islands.errors import CheckpointError, ConfigError
 from islands.generate import load_denoiser
+from islands.nets import OWN_NETWORK_ARGUMENTS
 from islands.nets.diffusers_net import NULL_CAPTION
 from islands.nets.text_folder import text_pooling
 from islands.rundir import CONFIG, describe_run, latest_checkpoint, weights_file
@@ -33,12 +38,18 @@ from islands.train.captions import recorded_text_encoder
 
 # the folder each class's pipelines read it from
 COMPONENT = {"UNet2DModel": "unet", "UNet2DConditionModel": "unet", "DiTTransformer2DModel": "transformer",
-             "SD3Transformer2DModel": "transformer", "FluxTransformer2DModel": "transformer"}
+             "SD3Transformer2DModel": "transformer", "FluxTransformer2DModel": "transformer",
+             "IslandsUNet": "unet", "IslandsDiT": "transformer"}
 # The diffusers pipeline that takes a network and a scheduler alone, where there is one: DiffusionPipeline's
 # from_pretrained then loads the folder whole. The others' pipelines also want an autoencoder or text encoders; their
 # folders are loaded a component at a time (`from_pretrained(OUT, subfolder=...)`).
 PIPELINE = {"UNet2DModel": "DDPMPipeline"}
 RECORD = "islands_export.json"
+# The package that holds Islands' own networks as diffusers classes, and the files of islands/nets/ it is made of.
+PACKAGE = "islands_networks"
+SHIPPED = ("condition", "layers", "dit", "unet", "diffusers_wrapper")
+# the arguments an exported Islands network reads a caption from (it holds its null caption itself)
+CAPTION = ("encoder_hidden_states", "encoder_attention_mask", "pooled_projections")
 
 
 def scheduler_for(cfg):
@@ -84,15 +95,42 @@ def null_caption(net) -> dict[str, torch.Tensor]:
     return {name: caption[name].contiguous() for name in net.caption_arguments}
 
 
-def text_record(cfg, run_dir: Path, net) -> dict:
+def text_record(cfg, run_dir: Path, arguments, null_caption: str | None = NULL_CAPTION) -> dict:
     """How a caption reaches a text network: the encoder that made the run's captions (its name and weights' sha256),
     the tokenizer's arguments (every caption `model.text_tokens` tokens, cut or padded: its token states are the
     encoder's last hidden state, every row, pads included; its mask the tokenizer's attention mask), how the pooled
-    vector is made, the forward's arguments the class reads, and the file of the null caption."""
+    vector is made, the forward's arguments the class reads, and the file of the null caption (None: the network
+    holds it, and reads it where it is given no caption)."""
     return {"text_encoder": cfg.data.text_encoder, "sha256": recorded_text_encoder(run_dir),
             "tokenizer": {"padding": "max_length", "truncation": True, "max_length": cfg.model.text_tokens},
-            **text_pooling(cfg.data.text_encoder), "arguments": list(net.caption_arguments),
-            "null_caption": NULL_CAPTION}
+            **text_pooling(cfg.data.text_encoder), "arguments": list(arguments), "null_caption": null_caption}
+
+
+def shipped_source(name: str, source: str | None = None) -> str:
+    """islands/nets/NAME.py (or `source`) as OUT/islands_networks/ ships it: its imports of the other shipped files
+    made relative, nothing else changed. A file that imports anything else of Islands could not be imported there:
+    that is Islands' own bug, refused loudly."""
+    source = (Path(nets.__file__).parent / f"{name}.py").read_text() if source is None else source
+    relative = re.sub(rf"^from islands\.nets\.({'|'.join(SHIPPED)}) import ", r"from .\1 import ", source,
+                      flags=re.M)
+    left = re.search(r"^\s*(from|import)\s+islands\b.*", relative, flags=re.M)
+    if left:
+        raise RuntimeError(f"islands/nets/{name}.py: {left.group(0).strip()!r} imports a part of Islands that "
+                           f"{PACKAGE}/ does not ship; add it to islands.export.SHIPPED")
+    return relative
+
+
+def own_model(cfg, info: dict, net, arch: str):
+    """Islands' own network as its diffusers class (islands/nets/diffusers_wrapper.py), built from the arguments
+    that built `net` and holding its weights, timesteps on the scale of the run's scheduler."""
+    from islands.nets.diffusers_wrapper import EXPORTED_CLASS  # imports diffusers
+
+    arguments = OWN_NETWORK_ARGUMENTS[arch](cfg.model, tuple(info["shape"]), info["num_classes"])
+    text = arguments["text"]
+    model = EXPORTED_CLASS[arch](**arguments | {"text": None if text is None else vars(text)},
+                                 num_train_timesteps=cfg.flow.train_steps if cfg.flow.path == "vp_discrete" else 1000)
+    model.net.load_state_dict(net.state_dict())
+    return model.eval()
 
 
 def export_run(run_dir: Path, out: Path) -> Path:
@@ -103,34 +141,51 @@ def export_run(run_dir: Path, out: Path) -> Path:
     run_dir, out = Path(run_dir), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: already exists and is not an empty folder; export writes a new one")
-    cfg, _ = describe_run(run_dir)
-    if cfg.model.arch != "diffusers":
-        raise ConfigError(f"model.arch: {cfg.model.arch!r} is Islands' own network, which no diffusers class holds; "
-                          f"train with model.arch: diffusers to export to diffusers")
+    cfg, info = describe_run(run_dir)
+    arch = cfg.model.arch
+    own = arch in OWN_NETWORK_ARGUMENTS
+    if arch != "diffusers" and not own:
+        raise ConfigError(f"model.arch: {arch!r} has no diffusers counterpart; export takes runs of model.arch "
+                          f"unet, dit and diffusers")
     scheduler = scheduler_for(cfg)
+    sources = {name: shipped_source(name) for name in SHIPPED} if own else {}
     ckpt = latest_checkpoint(run_dir)
     denoiser, cfg, _ = load_denoiser(run_dir, use_ema=True)
     if latest_checkpoint(run_dir) != ckpt:  # the run is training: the record must name the weights exported
         raise CheckpointError(f"{run_dir} wrote a new checkpoint while it was read; export again")
     net = denoiser.net
-    model = net.to_diffusers()
-    component = COMPONENT[net.class_name]
+    if own:
+        model, library = own_model(cfg, info, net, arch), PACKAGE
+    else:
+        model, library = net.to_diffusers(), "diffusers"
+    class_name = type(model).__name__
+    component = COMPONENT[class_name]
+    text = cfg.model.condition == "text"
 
     building = out.with_name(f".{out.name}.partial")
     shutil.rmtree(building, ignore_errors=True)  # a partial one left by an export that was killed
     building.mkdir(parents=True)
     model.save_pretrained(building / component, safe_serialization=True)
     scheduler.save_pretrained(building / "scheduler")
-    if net.text is not None:  # the null that unconditional samples and guidance read
+    if own:  # the networks' code, importable as `islands_networks` with OUT on sys.path
+        (building / PACKAGE).mkdir()
+        for name, source in sources.items():
+            (building / PACKAGE / f"{name}.py").write_text(source)
+        (building / PACKAGE / "__init__.py").write_text(
+            f'"""Islands\' own networks as diffusers models, from Islands {__version__} (islands export)."""\n\n'
+            f"from .diffusers_wrapper import IslandsDiT, IslandsUNet\n\n__all__ = ['IslandsDiT', 'IslandsUNet']\n")
+    elif text:  # the null that unconditional samples and guidance read
         save_file(null_caption(net), building / NULL_CAPTION)
     (building / "model_index.json").write_text(json.dumps(
-        {"_class_name": PIPELINE.get(net.class_name, "DiffusionPipeline"), "_diffusers_version": diffusers.__version__,
-         component: ["diffusers", net.class_name], "scheduler": ["diffusers", type(scheduler).__name__]}, indent=2))
+        {"_class_name": PIPELINE.get(class_name, "DiffusionPipeline"), "_diffusers_version": diffusers.__version__,
+         component: [library, class_name], "scheduler": ["diffusers", type(scheduler).__name__]}, indent=2))
     record = {"islands_version": __version__, "run_dir": str(run_dir), "checkpoint": ckpt.name,
               "weights": weights_file(ckpt, True).name, "config_sha256": file_sha256(run_dir / CONFIG),
               "config": yaml.safe_load((run_dir / CONFIG).read_text()),
-              **({"text": text_record(cfg, run_dir, net)} if net.text is not None else {}),
-              "files": {str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*.safetensors"))}}
+              **({"text": text_record(cfg, run_dir, *((CAPTION, None) if own else (net.caption_arguments,)))}
+                 if text else {}),
+              "files": {str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*"))
+                        if p.suffix in (".safetensors", ".py")}}
     (building / RECORD).write_text(json.dumps(record, indent=2))
     if out.exists():
         out.rmdir()

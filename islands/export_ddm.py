@@ -84,7 +84,7 @@ def export_ensemble(root: Path, out: Path) -> Path:
         net.to_diffusers().save_pretrained(building / folder, safe_serialization=True)
         if net.text is not None:  # its learned "no caption", which the diffusers class does not hold
             save_file(null_caption(net), building / folder / NULL_CAPTION)
-            text = text_record(cfg, root / entry["run"], net)
+            text = text_record(cfg, root / entry["run"], net.caption_arguments)
         experts.append({"name": entry["name"], "folder": folder, "class_name": net.class_name, "cluster": k,
                         "size": entry["size"], "source_sha256": entry["sha256"]})
     index = {"_class_name": "DDMPipeline", "islands_version": __version__, "k": manifest["k"],

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import emoji_or_skip, tiny_unet_config, write_config
+from test_checkpoint import a_run_with_one_checkpoint
 from test_diffusers_nets import TEXT_CLASSES, emoji_diffusers_run, model_config
 
 from islands.cli import main
@@ -20,7 +21,7 @@ from islands.config import validate
 from islands.data import streams
 from islands.data.shards import file_sha256
 from islands.errors import ConfigError
-from islands.export import scheduler_for
+from islands.export import scheduler_for, shipped_source
 from islands.flow.paths import build_path
 from islands.generate import load_denoiser
 from islands.nets.text_folder import minilm_folder
@@ -85,29 +86,36 @@ EPSILON_AT_STEPS = WITHOUT_ISLANDS + textwrap.dedent("""
 """)
 
 
+# Prompts encoded by plain transformers from the encoder's folder as the record's `text` says.
+ENCODE_PROMPTS = textwrap.dedent("""
+    def encode_prompts(text, prompts, encoder_folder):
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(encoder_folder)
+        encoder = transformers.AutoModel.from_pretrained(encoder_folder).eval()
+        tokens = tokenizer([p.lower() for p in prompts] if text["lowercase"] else prompts, return_tensors="pt",
+                           **text["tokenizer"])
+        with torch.no_grad():
+            states = encoder(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).last_hidden_state
+        mask = tokens["attention_mask"]
+        assert text["pooling"] == "mean" and text["normalize"]  # the encoder's: sentence-transformers' mean, L2
+        pooled = torch.nn.functional.normalize((states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True), dim=1)
+        return {"encoder_hidden_states": states, "encoder_attention_mask": mask, "pooled_projections": pooled}
+""")
+
 # A text-conditioned network sampled as Islands samples it for prompts (sample i for prompt i mod P, Euler, guidance
 # g: v = v_null + g (v_caption - v_null)): each prompt encoded by plain transformers from the encoder's folder as the
 # record says, the null caption read from the folder and stacked with the captions into one batch, as diffusers'
 # pipelines guide, and each class called as its diffusers pipeline calls it.
-TEXT_LOOP = WITHOUT_ISLANDS + textwrap.dedent("""
+TEXT_LOOP = WITHOUT_ISLANDS + ENCODE_PROMPTS + textwrap.dedent("""
     import json
-    import transformers
     from safetensors.torch import load_file
 
     steps, guidance, encoder_folder = int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
     record = json.load(open(f"{out}/islands_export.json"))
     name, text = record["config"]["model"]["class_name"], record["text"]
     prompts = json.load(open(f"{work}/prompts.json"))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(encoder_folder)
-    encoder = transformers.AutoModel.from_pretrained(encoder_folder).eval()
-    tokens = tokenizer([p.lower() for p in prompts] if text["lowercase"] else prompts, return_tensors="pt",
-                       **text["tokenizer"])
-    with torch.no_grad():
-        states = encoder(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).last_hidden_state
-    mask = tokens["attention_mask"]
-    assert text["pooling"] == "mean" and text["normalize"]  # the encoder's: sentence-transformers' mean, L2
-    pooled = torch.nn.functional.normalize((states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True), dim=1)
-    encoded = {"encoder_hidden_states": states, "encoder_attention_mask": mask, "pooled_projections": pooled}
+    encoded = encode_prompts(text, prompts, encoder_folder)
     null = load_file(f"{out}/{text['null_caption']}")
     assert sorted(null) == sorted(text["arguments"]), null.keys()
 
@@ -143,6 +151,53 @@ TEXT_LOOP = WITHOUT_ISLANDS + textwrap.dedent("""
 """)
 
 
+# Islands' own network from the folder's islands_networks package (OUT on sys.path, as model_index.json names it),
+# sampled as Islands samples it: Euler on Islands' grid, guided by the network's own null (no class, or its learned
+# null caption: the forward given no condition) against each sample's class, or its prompt encoded as the record says.
+OWN_LOOP = WITHOUT_ISLANDS + ENCODE_PROMPTS + textwrap.dedent("""
+    import importlib
+    import json
+    from safetensors.torch import load_file
+
+    steps, guidance = int(sys.argv[3]), float(sys.argv[4])
+    sys.path.insert(0, out)
+    index, record = (json.load(open(f"{out}/{name}")) for name in ("model_index.json", "islands_export.json"))
+    folder = "unet" if "unet" in index else "transformer"
+    library, name = index[folder]
+    model = getattr(importlib.import_module(library), name).from_pretrained(out, subfolder=folder).eval()
+    # every tensor the network holds is among the saved weights, so that diffusers' loading onto the meta device
+    # (low_cpu_mem_usage, where accelerate is installed; not here) leaves none of them behind: built there whole,
+    # buffers too, and given the saved weights, it is the model loaded
+    saved = load_file(f"{out}/{folder}/diffusion_pytorch_model.safetensors")
+    held = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    assert sorted(saved) == sorted(model.state_dict()) == sorted(held), (sorted(saved), sorted(held))
+    with torch.device("meta"):
+        empty = type(model).from_config(model.config)
+    empty.load_state_dict(saved, assign=True)
+    assert all(torch.equal(a, b) for a, b in zip(empty.state_dict().values(), model.state_dict().values()))
+
+    x = torch.from_numpy(np.load(f"{work}/noise.npy"))
+    if "text" in record:
+        prompts = json.load(open(f"{work}/prompts.json"))
+        encoded = encode_prompts(record["text"], prompts, sys.argv[5])
+        condition = {key: value[torch.arange(len(x)) % len(prompts)] for key, value in encoded.items()}
+    else:
+        labels = torch.from_numpy(np.load(f"{work}/labels.npy"))
+        condition = {"class_labels": labels}
+        with torch.no_grad():  # the class `num_classes` is none, as no class given is
+            none = torch.full_like(labels, model.config.num_classes)
+            assert torch.equal(model(x, 500.0, class_labels=none).sample, model(x, 500.0).sample)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(out, subfolder="scheduler")
+    scheduler.set_timesteps(sigmas=np.linspace(1, 0, steps + 1)[:-1])
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            v_given, v_null = model(x, t, **condition).sample, model(x, t).sample
+            x = scheduler.step(v_null + guidance * (v_given - v_null), t, x).prev_sample
+    assert not any(m == "islands" or m.startswith("islands.") for m in sys.modules)
+    np.save(f"{work}/diffusers.npy", x.numpy())
+""")
+
+
 def run_without_islands(script: str, *argv) -> None:
     done = subprocess.run([sys.executable, "-c", script, *map(str, argv)], capture_output=True, text=True,
                           timeout=240, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
@@ -151,11 +206,11 @@ def run_without_islands(script: str, *argv) -> None:
 
 @pytest.fixture
 def trained(tmp_path, image_npz):
-    """A tiny class-conditional run of a diffusers class, trained for a few steps."""
-    def run(class_name: str, flow: dict | None = None) -> Path:
+    """A tiny class-conditional run of a diffusers class (or of the model config given), trained for a few steps."""
+    def run(class_name: str | dict, flow: dict | None = None) -> Path:
         cfg = tiny_unet_config(tmp_path / "run", image_npz, train={"images": 32, "checkpoint_every": 32,
                                                                   "sample_every": 0, "warmup_images": 16})
-        cfg["model"] = model_config(class_name, 4)
+        cfg["model"] = model_config(class_name, 4) if isinstance(class_name, str) else class_name
         if flow:
             cfg["flow"] = flow
         assert main(["train", write_config(tmp_path / "run.yaml", cfg), "--quiet"]) == 0
@@ -217,13 +272,17 @@ def test_a_ddpm_unet_predicts_and_steps_in_plain_diffusers_as_in_islands(trained
 
 
 def test_export_refuses_in_one_line_and_overwrites_nothing(trained, tmp_path, image_npz, capsys):
+    _, checkpoint = a_run_with_one_checkpoint(tmp_path)  # an MLP on vectors: nothing in diffusers takes it
+    capsys.readouterr()
+    assert main(["export", str(checkpoint.parents[1]), str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.arch: 'mlp' has no diffusers counterpart" in err
+    assert not (tmp_path / "a").exists()
+
     own = tmp_path / "own"
     cfg = tiny_unet_config(own, image_npz, train={"images": 16, "checkpoint_every": 16, "sample_every": 0})
     assert main(["train", write_config(tmp_path / "own.yaml", cfg), "--quiet"]) == 0
     capsys.readouterr()
-    assert main(["export", str(own), str(tmp_path / "a")]) == 2
-    assert "train with model.arch: diffusers" in capsys.readouterr().err
-    assert not (tmp_path / "a").exists()
 
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
@@ -249,6 +308,24 @@ def test_the_scheduler_has_the_runs_betas_and_a_path_no_scheduler_steps_is_refus
         scheduler(path="rectified_flow", prediction="epsilon")
 
 
+def prompts_sample_alike(run: Path, work: Path, loop: str) -> None:
+    """`islands sample --prompt` of `run`, guided, and `loop` on its export work/out, from the same noise, draw the
+    same samples."""
+    prompts, num, steps, guidance = ["red apple", "grinning face"], 4, 3, 3.0
+    assert main(["sample", str(run), "--num", str(num), "--steps", str(steps), "--solver", "euler", "--guidance",
+                 str(guidance), "--prompt", prompts[0], "--prompt", prompts[1], "--out", str(work / "drawn"),
+                 "--quiet"]) == 0
+    islands = np.load(work / "drawn" / "samples.npz")["x"]
+    cfg, info = describe_run(run)
+    noise = streams.normal(cfg.seed, list(range(num)), tuple(info["shape"]), "sample")  # as islands/generate.py
+    np.save(work / "noise.npy", noise.numpy())
+    (work / "prompts.json").write_text(json.dumps(prompts))
+    run_without_islands(loop, work / "out", work, steps, guidance, minilm_folder())
+    drawn = np.load(work / "diffusers.npy")
+    assert (np.abs(drawn) < 1).mean() > 0.5  # most values are not clamped: the comparison sees them
+    np.testing.assert_allclose(drawn.clip(-1, 1), islands, atol=1e-4)
+
+
 @pytest.mark.parametrize("class_name", TEXT_CLASSES)
 def test_a_text_conditioned_export_samples_prompts_under_guidance_in_plain_diffusers_as_islands_does(
         tmp_path, class_name, capsys):
@@ -266,21 +343,111 @@ def test_a_text_conditioned_export_samples_prompts_under_guidance_in_plain_diffu
         weights[key] = torch.randn(weights[key].shape, generator=gen)
     save_weights(weights, ema)
     assert main(["export", str(run), str(tmp_path / "out")]) == 0
-
-    prompts, num, steps, guidance = ["red apple", "grinning face"], 4, 3, 3.0
-    assert main(["sample", str(run), "--num", str(num), "--steps", str(steps), "--solver", "euler", "--guidance",
-                 str(guidance), "--prompt", prompts[0], "--prompt", prompts[1], "--out", str(tmp_path / "drawn"),
-                 "--quiet"]) == 0
-    islands = np.load(tmp_path / "drawn" / "samples.npz")["x"]
-    cfg, info = describe_run(run)
-    noise = streams.normal(cfg.seed, list(range(num)), tuple(info["shape"]), "sample")  # as islands/generate.py
-    np.save(tmp_path / "noise.npy", noise.numpy())
-    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    run_without_islands(TEXT_LOOP, tmp_path / "out", tmp_path, steps, guidance, minilm_folder())
-    drawn = np.load(tmp_path / "diffusers.npy")
-    assert (np.abs(drawn) < 1).mean() > 0.5  # most values are not clamped: the comparison sees them
-    np.testing.assert_allclose(drawn.clip(-1, 1), islands, atol=1e-4)
+    prompts_sample_alike(run, tmp_path, TEXT_LOOP)
 
     record = json.loads((tmp_path / "out" / "islands_export.json").read_text())
     assert record["text"]["sha256"] == json.loads((run / "text_encoder.json").read_text())["sha256"]
     assert record["text"]["text_encoder"] == "minilm" and record["text"]["tokenizer"]["max_length"] == 16
+
+
+OWN_NETWORKS = {"unet": tiny_unet_config(".", ".")["model"],
+                "dit": {"arch": "dit", "num_classes": 4, "patch_size": 2, "hidden_size": 32, "depth": 2,
+                        "num_heads": 2}}
+
+
+def made_far_from_its_start(run: Path) -> None:
+    """The run's EMA weights moved far from where a few steps leave them (the zero-started gates, the null's
+    embedding), as a longer run moves them, so that a condition or a time read wrong shows in the samples."""
+    ema = latest_checkpoint(run) / "ema.safetensors"
+    weights = load_weights(ema)
+    gen = torch.Generator().manual_seed(0)
+    for key in [k for k in weights if weights[k].is_floating_point()]:
+        weights[key] = weights[key] + 0.1 * torch.randn(weights[key].shape, generator=gen)
+    save_weights(weights, ema)
+
+
+@pytest.mark.parametrize("arch", OWN_NETWORKS)
+def test_islands_own_network_samples_in_plain_diffusers_under_guidance_as_islands_samples_it(
+        trained, tmp_path, arch, capsys):
+    """Its IslandsUNet or IslandsDiT, imported from the folder's islands_networks package and stepped by
+    FlowMatchEulerDiscreteScheduler from Islands' noise, guided by the null class against each sample's class."""
+    torch.set_num_threads(1)
+    run = trained(OWN_NETWORKS[arch], {"time_shift": 2.0})
+    made_far_from_its_start(run)
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    num, steps, guidance = 4, 4, 2.5
+    assert main(["sample", str(run), "--num", str(num), "--steps", str(steps), "--solver", "euler",
+                 "--guidance", str(guidance), "--out", str(tmp_path / "drawn"), "--quiet"]) == 0
+    islands = np.load(tmp_path / "drawn" / "samples.npz")
+    cfg, info = describe_run(run)
+    noise = streams.normal(cfg.seed, list(range(num)), tuple(info["shape"]), "sample")  # as islands/generate.py
+    np.save(tmp_path / "noise.npy", noise.numpy())
+    np.save(tmp_path / "labels.npy", islands["y"])
+    run_without_islands(OWN_LOOP, tmp_path / "out", tmp_path, steps, guidance)
+    drawn = np.load(tmp_path / "diffusers.npy")
+    assert (np.abs(drawn) < 1).mean() > 0.5  # most values are not clamped: the comparison sees them
+    np.testing.assert_allclose(drawn.clip(-1, 1), islands["x"], atol=1e-4)
+
+    out = tmp_path / "out"
+    component, class_name = {"unet": ("unet", "IslandsUNet"), "dit": ("transformer", "IslandsDiT")}[arch]
+    assert json.loads((out / "model_index.json").read_text())[component] == ["islands_networks", class_name]
+    assert json.loads((out / component / "config.json").read_text())["_class_name"] == class_name
+    record = json.loads((out / "islands_export.json").read_text())
+    shipped = sorted(out.rglob("*.py"))
+    assert [p.name for p in shipped] == ["__init__.py", "condition.py", "diffusers_wrapper.py", "dit.py", "layers.py",
+                                         "unet.py"]
+    assert record["files"] == {str(p.relative_to(out)): file_sha256(p)
+                               for p in [*shipped, out / component / "diffusion_pytorch_model.safetensors"]}
+    repo = Path(__file__).parents[1] / "islands" / "nets"
+    for path in shipped[1:]:  # the repo's files but for their imports of each other (none of Islands is left: the
+        # process that sampled them could import no part of it)
+        ours, theirs = (repo / path.name).read_text().splitlines(), path.read_text().splitlines()
+        assert len(ours) == len(theirs)
+        changed = [(a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
+        assert all(a.replace("from islands.nets.", "from .") == b for a, b in changed)
+
+
+def test_the_shipped_networks_import_each_other_relatively_and_nothing_else_of_islands():
+    assert shipped_source("dit", "from islands.nets.layers import modulate\nx = 'islands.nets.layers'\n") == (
+        "from .layers import modulate\nx = 'islands.nets.layers'\n")
+    for source in ("from islands.flow.paths import Path\n", "    from islands.nets.mlp import MLP\n",
+                   "import islands.nets.layers\n"):
+        with pytest.raises(RuntimeError, match="islands/nets/dit.py: .* does not ship"):
+            shipped_source("dit", source)
+
+
+def test_a_text_conditioned_islands_network_samples_prompts_in_plain_diffusers_as_islands_does(tmp_path, capsys):
+    """Islands' own DiT on the emoji's captions: no null caption shipped (the network holds its own, read where it
+    is given no caption), the prompts encoded by plain transformers as the record says."""
+    from test_text_conditioning import emoji_run
+
+    emoji_or_skip()
+    torch.set_num_threads(1)
+    run = train(validate(emoji_run(tmp_path / "run", images=32, checkpoint_every=32, sample_every=0)),
+                progress=False)
+    made_far_from_its_start(run)
+    assert main(["export", str(run), str(tmp_path / "out")]) == 0
+    prompts_sample_alike(run, tmp_path, OWN_LOOP)
+    text = json.loads((tmp_path / "out" / "islands_export.json").read_text())["text"]
+    assert text["null_caption"] is None and not (tmp_path / "out" / "islands_null_caption.safetensors").exists()
+    assert text["sha256"] == json.loads((run / "text_encoder.json").read_text())["sha256"]
+
+
+def test_an_islands_network_of_a_ddpm_run_reads_the_schedulers_steps():
+    """A `vp_discrete` run of N steps: the exported network at the scheduler's step n is Islands' at time n / N."""
+    from islands.export import own_model
+    from islands.nets import build_network
+
+    cfg = validate({"run_dir": ".", "model": OWN_NETWORKS["dit"],
+                    "flow": {"path": "vp_discrete", "prediction": "epsilon", "train_steps": 500}})
+    net = build_network(cfg.model, (1, 8, 8), 4)
+    made = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # away from the zero start, so that the time it is given shows
+        for p in net.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=made))
+    model = own_model(cfg, {"shape": [1, 8, 8], "num_classes": 4}, net, "dit")
+    assert scheduler_for(cfg).config.num_train_timesteps == model.config.num_train_timesteps == 500
+    x, steps, labels = torch.randn(3, 1, 8, 8, generator=made), torch.tensor([0, 250, 499]), torch.tensor([0, 1, 4])
+    with torch.no_grad():
+        np.testing.assert_allclose(model(x, steps, class_labels=labels).sample.numpy(),
+                                   net(x, steps / 500, labels).numpy(), atol=1e-6)

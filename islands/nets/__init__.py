@@ -11,17 +11,30 @@ from islands.nets.router import MLPRouter, TransformerRouter
 from islands.nets.unet import UNet
 
 
+def unet_arguments(cfg, shape: tuple, num_classes: int) -> dict:
+    """The U-Net's constructor arguments for a model config, JSON-able but for `text` (the exported class,
+    islands/nets/diffusers_wrapper.py, takes these same arguments)."""
+    return dict(in_channels=shape[0], resolution=shape[1], channels=cfg.channels,
+                channel_mult=list(cfg.channel_mult), num_res_blocks=cfg.num_res_blocks,
+                attention_resolutions=list(cfg.attention_resolutions), num_heads=cfg.num_heads or 4,
+                dropout=cfg.dropout, num_classes=num_classes, text=text_widths(cfg))
+
+
+def dit_arguments(cfg, shape: tuple, num_classes: int) -> dict:
+    """The DiT's constructor arguments for a model config, as `unet_arguments`."""
+    preset = DIT_PRESETS[cfg.preset]
+    return dict(input_size=shape[1], in_channels=shape[0], patch_size=cfg.patch_size,
+                hidden_size=cfg.hidden_size or preset["hidden_size"], depth=cfg.depth or preset["depth"],
+                num_heads=cfg.num_heads or preset["num_heads"], mlp_ratio=cfg.mlp_ratio, num_classes=num_classes,
+                text=text_widths(cfg))
+
+
 def _unet(cfg, shape: tuple, num_classes: int) -> nn.Module:
-    return UNet(shape[0], shape[1], channels=cfg.channels, channel_mult=tuple(cfg.channel_mult),
-                num_res_blocks=cfg.num_res_blocks, attention_resolutions=tuple(cfg.attention_resolutions),
-                num_heads=cfg.num_heads or 4, dropout=cfg.dropout, num_classes=num_classes, text=text_widths(cfg))
+    return UNet(**unet_arguments(cfg, shape, num_classes))
 
 
 def _dit(cfg, shape: tuple, num_classes: int) -> nn.Module:
-    preset = DIT_PRESETS[cfg.preset]
-    return DiT(shape[1], shape[0], patch_size=cfg.patch_size, hidden_size=cfg.hidden_size or preset["hidden_size"],
-               depth=cfg.depth or preset["depth"], num_heads=cfg.num_heads or preset["num_heads"],
-               mlp_ratio=cfg.mlp_ratio, num_classes=num_classes, text=text_widths(cfg))
+    return DiT(**dit_arguments(cfg, shape, num_classes))
 
 
 def text_widths(cfg) -> TextWidths | None:
@@ -59,6 +72,8 @@ def _diffusers(cfg, shape: tuple, num_classes: int) -> nn.Module:
     return build_diffusers(cfg.class_name, cfg.config, shape, num_classes, text_widths(cfg))
 
 
+# model.arch -> the constructor arguments of Islands' own networks that export to diffusers (islands/export.py)
+OWN_NETWORK_ARGUMENTS = {"unet": unet_arguments, "dit": dit_arguments}
 # model.arch -> (builder, the example shapes it takes: "vectors", "images" or "any")
 NETWORKS = {"unet": (_unet, "images"), "dit": (_dit, "images"), "mlp": (_mlp, "vectors"), "router": (_router, "any"),
             "autoencoder_kl": (_autoencoder_kl, "images"), "diffusers": (_diffusers, "images")}
@@ -77,4 +92,5 @@ def build_network(cfg, shape: tuple[int, ...], num_classes: int) -> nn.Module:
         raise ValueError(f"model: {err}") from None
 
 
-__all__ = ["AutoencoderKLNet", "DiT", "DIT_PRESETS", "MLP", "NETWORKS", "UNet", "build_network"]
+__all__ = ["AutoencoderKLNet", "DiT", "DIT_PRESETS", "MLP", "NETWORKS", "OWN_NETWORK_ARGUMENTS", "UNet",
+           "build_network"]
