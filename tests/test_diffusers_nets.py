@@ -1,14 +1,13 @@
 """diffusers networks inside Islands (`model.arch: diffusers`, islands/nets/diffusers_net.py): each adapter computes
 what the diffusers model computes when called by hand with its own timestep scale and conditioning, trains and
-resumes bit-identically, over 2 ranks as in 1 process, starts from a pretrained folder read as untrusted, and joins an
-ensemble."""
+resumes bit-identically, over 2 ranks as in 1 process, and starts from a pretrained folder read as untrusted. Experts
+of every class join ensembles in tests/test_export_ddm.py (`ensemble_of`), sampled there under every routing."""
 
 import hashlib
 import json
 from pathlib import Path
 
 import diffusers
-import numpy as np
 import pytest
 import torch
 import yaml
@@ -318,36 +317,6 @@ def ensemble_of(path, cfg: dict, classes: tuple[str, ...]) -> dict:
         expert = validate(yaml.safe_load((root / "experts" / str(i) / "config.yaml").read_text()))
         assert (expert.model.arch, expert.model.class_name) == ("diffusers", name)
     return json.loads((root / "ensemble.json").read_text())
-
-
-def test_diffusers_experts_of_two_classes_join_an_ensemble_that_samples_under_every_routing(tmp_path, image_npz):
-    """A DiT and a DDPM U-Net, class-conditional, with Islands' own router: guided samples under every policy."""
-    cfg = tiny_unet_config(tmp_path / "ens", image_npz, train={"images": 32, "checkpoint_every": 32,
-                                                                "sample_every": 0, "warmup_images": 16})
-    cfg["model"] = model_config("DiTTransformer2DModel", 4)
-    cfg["sample"] = {"num": 4, "steps": 2, "solver": "euler", "guidance": 2.0}
-    cfg["eval"] = {"num": 8, "metrics": ["fd"], "features": "pixels"}
-    manifest = ensemble_of(tmp_path / "ddm.yaml", cfg, CLASS_LABELS[::-1])
-    assert len(manifest["experts"]) == 2
-    for routing in ("top1", "full", "ancestral"):
-        out = tmp_path / routing
-        assert main(["sample", str(tmp_path / "ens"), "--num", "4", "--routing", routing, "--out", str(out),
-                     "--quiet"]) == 0
-        assert np.load(out / "samples.npz")["x"].shape == (4, 1, 8, 8)
-
-
-def test_text_conditioned_diffusers_experts_join_an_ensemble_that_samples_prompts(tmp_path):
-    """An SD3, a Flux and an SD U-Net expert on the emoji's captions, a text-conditioned router: prompts sampled,
-    guided."""
-    emoji_or_skip()
-    cfg = emoji_diffusers_run(tmp_path / "ens", "SD3Transformer2DModel", sample_every=0)
-    cfg["data"]["limit"] = 64
-    cfg["eval"] = {"num": 8, "metrics": ["fd"], "features": "pixels"}
-    ensemble_of(tmp_path / "ddm.yaml", cfg, TEXT_CLASSES[1:] + TEXT_CLASSES[:1])
-    out = tmp_path / "drawn"
-    assert main(["sample", str(tmp_path / "ens"), "--num", "2", "--out", str(out), "--prompt", "red apple",
-                 "--prompt", "grinning face", "--quiet"]) == 0
-    assert np.load(out / "samples.npz")["x"].shape == (2, 3, 8, 8)
 
 
 @pytest.mark.parametrize(("change", "message"), [
