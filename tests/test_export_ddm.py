@@ -212,6 +212,7 @@ def test_a_run_trained_here_joins_an_imported_ensemble_as_one_more_expert(ensemb
     ("flip", "expert_0/diffusion_pytorch_model.safetensors: sha256 does not match ddm.json"),
     ("unlisted", "evil.py is not a file of the open DDM layout"),
     ("class", "is not one of UNet2DModel"),
+    ("no prior", "not the index of an ensemble Islands exported (KeyError: 'prior')"),
 ])
 def test_a_folder_that_is_not_what_its_index_says_is_refused_in_one_line(ensemble, tmp_path, capsys, change,
                                                                            message):
@@ -226,6 +227,8 @@ def test_a_folder_that_is_not_what_its_index_says_is_refused_in_one_line(ensembl
     elif change == "unlisted":
         (copy / "evil.py").write_text("raise SystemExit('imported')")
         index["files"]["evil.py"] = file_sha256(copy / "evil.py")
+    elif change == "no prior":
+        del index["prior"]
     else:  # a class that is not an adapter's, hashed as if it were published so
         config = json.loads((copy / "expert_1" / "config.json").read_text())
         (copy / "expert_1" / "config.json").write_text(json.dumps({**config, "_class_name": "ControlNetModel"}))

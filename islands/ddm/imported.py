@@ -29,7 +29,7 @@ from islands.data.shards import file_sha256
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS
 from islands.ddm.ensemble import MANIFEST, member_network
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
-from islands.errors import CheckpointError, ConfigError
+from islands.errors import CheckpointError, ConfigError, DataError
 from islands.generate import uninitialised_network
 from islands.nets.diffusers_net import ADAPTERS, NULL_CAPTION
 from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, load_weights, save_weights, weights_file
@@ -229,6 +229,13 @@ def import_ensemble(source: Path, out: Path, runs: list[Path] = ()) -> Path:
         config.setdefault("ddm", {})["k"] = manifest["k"]
         (building / "config.yaml").write_text(yaml.safe_dump(config))
         atomic_write_text(building / MANIFEST, json.dumps(manifest, indent=1))
+    except (ConfigError, DataError, CheckpointError):
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    except (KeyError, TypeError, ValueError) as err:  # an index that lacks what it names, or names it wrongly
+        shutil.rmtree(building, ignore_errors=True)
+        raise CheckpointError(f"{source / INDEX}: not the index of an ensemble Islands exported "
+                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
