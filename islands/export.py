@@ -32,6 +32,7 @@ from islands.errors import CheckpointError, ConfigError
 from islands.generate import load_denoiser
 from islands.nets import OWN_NETWORK_ARGUMENTS
 from islands.nets.diffusers_net import NULL_CAPTION
+from islands.nets.diffusers_wrapper import PACKAGE, SHIPPED
 from islands.nets.text_folder import text_pooling
 from islands.rundir import CONFIG, describe_run, latest_checkpoint, weights_file
 from islands.train.captions import recorded_text_encoder
@@ -45,9 +46,6 @@ COMPONENT = {"UNet2DModel": "unet", "UNet2DConditionModel": "unet", "DiTTransfor
 # folders are loaded a component at a time (`from_pretrained(OUT, subfolder=...)`).
 PIPELINE = {"UNet2DModel": "DDPMPipeline"}
 RECORD = "islands_export.json"
-# The package that holds Islands' own networks as diffusers classes, and the files of islands/nets/ it is made of.
-PACKAGE = "islands_networks"
-SHIPPED = ("condition", "layers", "dit", "unet", "diffusers_wrapper")
 # the arguments an exported Islands network reads a caption from (it holds its null caption itself)
 CAPTION = ("encoder_hidden_states", "encoder_attention_mask", "pooled_projections")
 
@@ -116,8 +114,19 @@ def shipped_source(name: str, source: str | None = None) -> str:
     left = re.search(r"^\s*(from|import)\s+islands\b.*", relative, flags=re.M)
     if left:
         raise RuntimeError(f"islands/nets/{name}.py: {left.group(0).strip()!r} imports a part of Islands that "
-                           f"{PACKAGE}/ does not ship; add it to islands.export.SHIPPED")
+                           f"{PACKAGE}/ does not ship; add it to islands.nets.diffusers_wrapper.SHIPPED")
     return relative
+
+
+def write_package(folder: Path, sources: dict[str, str]) -> None:
+    """FOLDER/islands_networks/: the networks' code (`shipped_source` of each of SHIPPED), importable as
+    `islands_networks` with FOLDER on sys.path."""
+    (folder / PACKAGE).mkdir()
+    for name, source in sources.items():
+        (folder / PACKAGE / f"{name}.py").write_text(source)
+    (folder / PACKAGE / "__init__.py").write_text(
+        f'"""Islands\' own networks as diffusers models, from Islands {__version__} (islands export)."""\n\n'
+        f"from .diffusers_wrapper import IslandsDiT, IslandsUNet\n\n__all__ = ['IslandsDiT', 'IslandsUNet']\n")
 
 
 def own_model(cfg, info: dict, net, arch: str):
@@ -167,13 +176,8 @@ def export_run(run_dir: Path, out: Path) -> Path:
     building.mkdir(parents=True)
     model.save_pretrained(building / component, safe_serialization=True)
     scheduler.save_pretrained(building / "scheduler")
-    if own:  # the networks' code, importable as `islands_networks` with OUT on sys.path
-        (building / PACKAGE).mkdir()
-        for name, source in sources.items():
-            (building / PACKAGE / f"{name}.py").write_text(source)
-        (building / PACKAGE / "__init__.py").write_text(
-            f'"""Islands\' own networks as diffusers models, from Islands {__version__} (islands export)."""\n\n'
-            f"from .diffusers_wrapper import IslandsDiT, IslandsUNet\n\n__all__ = ['IslandsDiT', 'IslandsUNet']\n")
+    if own:
+        write_package(building, sources)
     elif text:  # the null that unconditional samples and guidance read
         save_file(null_caption(net), building / NULL_CAPTION)
     (building / "model_index.json").write_text(json.dumps(

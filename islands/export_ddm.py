@@ -1,9 +1,10 @@
 """An ensemble as the open DDM checkpoints ship one (`islands export ENSEMBLE OUT/`), sampled by plain diffusers.
 
 OUT/expert_N/ holds expert N as its own diffusers class (`save_pretrained` of the weights the manifest verified, a
-text-conditioned one with islands_null_caption.safetensors beside, its learned "no caption", as the forward takes
-a caption); OUT/router/ the router as
-`DDMRouter` (islands/ddm/diffusers_pipeline.py, whose weights carry Islands' names, so no conversion touches them);
+text-conditioned one with islands_null_caption.safetensors beside, its learned "no caption", as the forward takes a
+caption), or, for Islands' own U-Net and DiT, as IslandsUNet or IslandsDiT, whose code ships in
+OUT/islands_networks/ as `islands export RUN` ships it; OUT/router/ the router as `DDMRouter`
+(islands/ddm/diffusers_pipeline.py, whose weights carry Islands' names, so no conversion touches them);
 OUT/scheduler/ the rectified-flow scheduler; OUT/partition/ the partition as Islands wrote it (sizes, shares per
 class, centroids); OUT/condition_router/ p(cluster | caption) on text; OUT/pipeline.py the pipeline that samples
 them by any routing policy, with no Islands installed; OUT/ddm.json names everything, with each file's sha256, the
@@ -18,7 +19,7 @@ import yaml
 from safetensors.torch import save_file
 
 from islands import __version__
-from islands.config import load_config
+from islands.config import load_config, validate
 from islands.data.shards import file_sha256
 from islands.ddm import diffusers_pipeline
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_WEIGHTS
@@ -27,8 +28,10 @@ from islands.ddm.mixture import DEFAULT_ROUTING
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
 from islands.ddm.runs import partition_dir
 from islands.errors import ConfigError
-from islands.export import null_caption, scheduler_for, text_record
+from islands.export import null_caption, own_model, scheduler_for, shipped_source, text_record, write_package
+from islands.nets import OWN_NETWORK_ARGUMENTS
 from islands.nets.diffusers_net import NULL_CAPTION
+from islands.nets.diffusers_wrapper import SHIPPED
 
 INDEX = diffusers_pipeline.INDEX
 
@@ -46,9 +49,9 @@ def _refuse_unless_exportable(root: Path, manifest: dict, cfg) -> None:
         if "weights" not in entry:
             raise ConfigError(f"{entry['name']} of {root} has no finished checkpoint; a published ensemble ships every "
                               f"expert")
-        if entry["model"]["arch"] != "diffusers":
-            raise ConfigError(f"model.arch: {entry['name']} is Islands' own {entry['model']['arch']!r}, which no "
-                              f"diffusers class holds; train the experts with model.arch: diffusers")
+        if entry["model"]["arch"] not in ("diffusers", *OWN_NETWORK_ARGUMENTS):
+            raise ConfigError(f"model.arch: {entry['name']} is a {entry['model']['arch']!r}, which has no diffusers "
+                              f"counterpart; an ensemble's experts export from model.arch diffusers, unet or dit")
         if (entry["path"], entry["prediction"]) != ("rectified_flow", "velocity"):
             raise ConfigError(f"flow.path: {entry['name']} learnt {entry['path']} {entry['prediction']}; the pipeline "
                               f"mixes rectified-flow velocities")
@@ -79,18 +82,24 @@ def export_ensemble(root: Path, out: Path) -> Path:
     building.mkdir(parents=True)
     experts = []
     for k, entry in enumerate(manifest["experts"]):
+        arch, folder = entry["model"]["arch"], f"expert_{k}"
         net = member_network(entry, read_verified(root, entry), "cpu")
-        folder = f"expert_{k}"
-        net.to_diffusers().save_pretrained(building / folder, safe_serialization=True)
-        if net.text is not None:  # its learned "no caption", which the diffusers class does not hold
+        if arch == "diffusers":
+            model = net.to_diffusers()
+        else:  # Islands' own network, as the diffusers class whose code ships in islands_networks/
+            model = own_model(validate({"run_dir": ".", "model": entry["model"]}), entry, net, arch)
+        model.save_pretrained(building / folder, safe_serialization=True)
+        if arch == "diffusers" and net.text is not None:  # its learned "no caption", not among the class's weights
             save_file(null_caption(net), building / folder / NULL_CAPTION)
-            text = text_record(cfg, root / entry["run"], net.caption_arguments)
-        experts.append({"name": entry["name"], "folder": folder, "class_name": net.class_name, "cluster": k,
-                        "size": entry["size"], "source_sha256": entry["sha256"]})
+        experts.append({"name": entry["name"], "folder": folder, "class_name": type(model).__name__, "cluster": k,
+                        "size": entry["size"], "source_sha256": entry["sha256"], "islands_model": entry["model"]})
+    if any(e["model"]["arch"] != "diffusers" for e in manifest["experts"]):
+        write_package(building, {name: shipped_source(name) for name in SHIPPED})
     index = {"_class_name": "DDMPipeline", "islands_version": __version__, "k": manifest["k"],
              "shape": manifest["experts"][0]["shape"], "num_classes": cfg.model.num_classes,
              "condition": cfg.model.condition, "prior": manifest["prior"], "experts": experts}
     if cfg.model.condition == "text":  # how a prompt becomes the experts' caption (every expert encodes alike)
+        text = text_record(cfg, root / manifest["experts"][0]["run"], ())
         index["text"] = {k: v for k, v in text.items() if k not in ("arguments", "null_caption")}
     if manifest.get("prior_by_class"):  # the last row: no class, the sizes
         index["prior_by_class"] = manifest["prior_by_class"] + [manifest["prior"]]

@@ -141,22 +141,56 @@ def test_the_shipped_router_computes_what_islands_router_computes(condition):
             torch.testing.assert_close(shipped(x, t), islands_router(x, t, None), rtol=0, atol=1e-5)
 
 
-def test_an_ensemble_of_islands_own_networks_is_refused_in_one_line(tmp_path, capsys):
+def test_an_ensemble_of_islands_own_u_nets_exports_samples_in_plain_diffusers_and_reads_back(tmp_path, capsys):
+    """Islands' own networks export as IslandsUNet with their code beside them (islands_networks/), which the
+    pipeline imports from the folder once its files are checked; Islands reads the folder back without it."""
+    import shutil
+
+    from conftest import write_config
+
     cfg = tiny_unet_config(tmp_path / "ens", random_images(tmp_path), train={
-        "images": 16, "checkpoint_every": 16, "sample_every": 0, "warmup_images": 0})
-    cfg["model"] = {**cfg["model"], "channels": 4}
+        "images": 32, "checkpoint_every": 32, "sample_every": 0, "warmup_images": 16})
+    cfg["sample"] = {"steps": STEPS, "solver": "euler", "guidance": GUIDANCE}
     cfg["eval"] = {"num": 8, "metrics": ["fd"], "features": "pixels"}
     cfg["ddm"] = {"k": 2, "partition": {"method": "kmeans", "pca_dim": 8, "fine": 8},
                   "router": {"hidden_size": 16, "depth": 1, "num_heads": 2, "patch_size": 2, "batch_size": 8,
                              "images": 16}}
-    from conftest import write_config
-
     assert main(["ddm", write_config(tmp_path / "ddm.yaml", cfg), "--quiet"]) == 0
+    root, out = tmp_path / "ens", tmp_path / "out"
+    assert main(["export", str(root), str(out)]) == 0
+    index = json.loads((out / "ddm.json").read_text())
+    assert [e["class_name"] for e in index["experts"]] == ["IslandsUNet", "IslandsUNet"]
+    assert "islands_networks/unet.py" in index["files"]
+
+    routings, opts = ("ancestral", "top1", "full"), {"steps": STEPS, "solver": "euler", "guidance": GUIDANCE}
+    sampler = open_sampler(root, opts, routing="ancestral")
+    labels, seed = sampler.labels(NUM), sampler.cfg.seed
+    noise = streams.normal(seed, list(range(NUM)), sampler.shape, "sample")
+    for name, value in (("noise", noise), ("labels", labels),
+                        ("clusters", ancestral_clusters(sampler.manifest, seed, 0, NUM, labels))):
+        np.save(tmp_path / f"{name}.npy", value.numpy())
+    run_without_islands(SAMPLE_EVERY_ROUTING, out, tmp_path, json.dumps(routings), STEPS, GUIDANCE, seed)
+    for routing in routings:
+        drawn = open_sampler(root, opts, routing=routing).generate(NUM, labels)
+        shipped = np.load(tmp_path / f"{routing}.npy")
+        assert np.abs(drawn.numpy()).max() > 0.1, routing  # the experts are not still at their zero output layers
+        np.testing.assert_allclose(shipped, drawn.numpy(), atol=1e-4, err_msg=routing)
+    assert np.abs(np.load(tmp_path / "full.npy") - np.load(tmp_path / "top1.npy")).max() > 1e-3
+
+    assert main(["import", str(out), str(tmp_path / "imported")]) == 0
+    again = open_sampler(tmp_path / "imported", opts, routing="top1").generate(NUM, labels)
+    assert torch.equal(again, open_sampler(root, opts, routing="top1").generate(NUM, labels))
+
+    copy = tmp_path / "vectors"  # an expert of a kind diffusers has nothing for: refused by name, nothing written
+    shutil.copytree(root, copy)
+    manifest = json.loads((copy / "ensemble.json").read_text())
+    manifest["experts"][0]["model"]["arch"] = "mlp"
+    (copy / "ensemble.json").write_text(json.dumps(manifest))
     capsys.readouterr()
-    assert main(["export", str(tmp_path / "ens"), str(tmp_path / "out")]) == 2
+    assert main(["export", str(copy), str(tmp_path / "refused")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "model.arch: expert0 is Islands' own 'unet'" in err
-    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
+    assert err.count("\n") == 1 and "model.arch: expert0 is a 'mlp', which has no diffusers counterpart" in err
+    assert not (tmp_path / "refused").exists() and not (tmp_path / ".refused.partial").exists()
 
 
 # --- read back: `islands import` ----------------------------------------------------------------------------------

@@ -38,6 +38,9 @@ from torch import nn
 
 EXPERT_CLASSES = ("UNet2DModel", "UNet2DConditionModel", "DiTTransformer2DModel", "SD3Transformer2DModel",
                   "FluxTransformer2DModel")
+# Islands' own networks, whose code ships in the folder's islands_networks/ (its files checked like the weights)
+OWN_CLASSES = ("IslandsUNet", "IslandsDiT")
+PACKAGE = "islands_networks"
 ROUTINGS = ("ancestral", "full", "top1", "topk:K", "nucleus:P", "sample", "ancestral_then:topk:K@T")
 INDEX = "ddm.json"
 NULL_CAPTION = "islands_null_caption.safetensors"
@@ -63,6 +66,24 @@ def load_component(root: Path, files: dict, folder: str, cls):
     model = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
     model.load_state_dict(safetensors_load(read_verified(root, weights_name, files[weights_name])))
     return model.eval()
+
+
+def own_networks(root: Path, files: dict):
+    """The folder's islands_networks package, every file of it checked against the index before it is imported."""
+    import importlib.util
+    import sys
+
+    shipped = sorted(name for name in files if name.startswith(f"{PACKAGE}/"))
+    for name in shipped:
+        read_verified(root, name, files[name])
+    if f"{PACKAGE}/__init__.py" not in shipped:
+        raise ValueError(f"{root / INDEX}: lists no {PACKAGE}/__init__.py for its Islands networks")
+    spec = importlib.util.spec_from_file_location(PACKAGE, root / PACKAGE / "__init__.py",
+                                                  submodule_search_locations=[str(root / PACKAGE)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[PACKAGE] = module  # its files import each other relatively
+    spec.loader.exec_module(module)
+    return module
 
 
 # --- the router: Islands' TransformerRouter, its weights under the same names ------------------------------------
@@ -217,6 +238,11 @@ class Expert:
 
     def __call__(self, x, t, labels=None, caption=None):
         m = self.model
+        if self.name in OWN_CLASSES:  # diffusers' arguments; no class or caption is the network's own null
+            given = {} if caption is None else {"encoder_hidden_states": caption.states.to(x.dtype),
+                                                "encoder_attention_mask": caption.mask,
+                                                "pooled_projections": caption.pooled.to(x.dtype)}
+            return m(x, 1000 * t, class_labels=labels, **given).sample
         if self.name in ("UNet2DModel", "DiTTransformer2DModel"):
             if labels is None and (self.num_classes or self.name == "DiTTransformer2DModel"):
                 labels = self.no_class(len(x), x.device)
@@ -296,14 +322,18 @@ class DDMPipeline:
         root = Path(folder)
         index = json.loads((root / INDEX).read_text())
         files = index["files"]
-        experts = []
+        experts, own = [], None
         for entry in index["experts"]:
             config = json.loads(read_verified(root, f"{entry['folder']}/config.json",
                                               files[f"{entry['folder']}/config.json"]))
-            if config.get("_class_name") not in EXPERT_CLASSES:
-                raise ValueError(f"{root / entry['folder']}: {config.get('_class_name')!r} is not one of "
-                                 f"{', '.join(EXPERT_CLASSES)}")
-            model = load_component(root, files, entry["folder"], getattr(diffusers, config["_class_name"]))
+            name = config.get("_class_name")
+            if name not in EXPERT_CLASSES + OWN_CLASSES:
+                raise ValueError(f"{root / entry['folder']}: {name!r} is not one of "
+                                 f"{', '.join(EXPERT_CLASSES + OWN_CLASSES)}")
+            if name in OWN_CLASSES and own is None:
+                own = own_networks(root, files)
+            model_class = getattr(own, name) if name in OWN_CLASSES else getattr(diffusers, name)
+            model = load_component(root, files, entry["folder"], model_class)
             null, name = None, f"{entry['folder']}/{NULL_CAPTION}"
             if name in files:
                 null = {k: v.to(device) for k, v in safetensors_load(read_verified(root, name, files[name])).items()}

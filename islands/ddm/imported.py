@@ -31,12 +31,18 @@ from islands.ddm.ensemble import MANIFEST, member_network
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
 from islands.errors import CheckpointError, ConfigError, DataError
 from islands.generate import uninitialised_network
-from islands.nets.diffusers_net import ADAPTERS, NULL_CAPTION
+from islands.nets import OWN_NETWORK_ARGUMENTS
+from islands.nets.diffusers_net import ADAPTERS, NULL_CAPTION, DiffusersNetwork
+from islands.nets.diffusers_wrapper import EXPORTED_CLASS, PACKAGE, SHIPPED
 from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, load_weights, save_weights, weights_file
 
 INDEX = "ddm.json"
+# Islands' own networks as the export names them; the folder carries their code (PACKAGE) for plain diffusers, and
+# Islands never imports it: it has the networks' code itself
+OWN_ARCH = {cls.__name__: arch for arch, cls in EXPORTED_CLASS.items()}
 # every file an exported ensemble may hold, and nothing else is read
 ALLOWED = re.compile(rf"(expert_\d+/(config\.json|diffusion_pytorch_model\.safetensors|{re.escape(NULL_CAPTION)})"
+                     rf"|{PACKAGE}/({'|'.join([*SHIPPED, '__init__'])})\.py"
                      r"|router/(config\.json|diffusion_pytorch_model\.safetensors)|scheduler/scheduler_config\.json"
                      rf"|partition/({re.escape(META_FILE)}|{re.escape(ARRAYS_FILE)})"
                      rf"|{ROUTER_FOLDER}/{re.escape(ROUTER_WEIGHTS)}|pipeline\.py)")
@@ -90,16 +96,47 @@ class _Folder:
             raise CheckpointError(f"{self.root / name}: not a valid safetensors file ({err})") from None
 
 
-def _expert_model(folder: _Folder, name: str, cfg) -> dict:
-    """The model section of expert folder `name`: its diffusers class and constructor arguments, the ensemble's
-    condition."""
+def _expert_model(folder: _Folder, expert: dict, cfg) -> dict:
+    """The model section of an expert folder: a diffusers class and its constructor arguments, with the ensemble's
+    condition; or Islands' own network's section as the index gives it, which must build what its config.json says."""
+    name = expert["folder"]
     config = folder.json(f"{name}/config.json")
     class_name = config.get("_class_name")
+    if class_name in OWN_ARCH:
+        model = expert.get("islands_model")
+        if not isinstance(model, dict) or model.get("arch") != OWN_ARCH[class_name]:
+            raise CheckpointError(f"{folder.root / INDEX}: {name} is a {class_name} without its islands_model")
+        arguments = OWN_NETWORK_ARGUMENTS[model["arch"]](validate({"run_dir": ".", "model": model}).model,
+                                                         tuple(folder.index["shape"]), folder.index["num_classes"])
+        arguments["text"] = None if arguments["text"] is None else vars(arguments["text"])
+        given = {k: v for k, v in config.items() if not k.startswith("_") and k != "num_train_timesteps"}
+        if json.loads(json.dumps(arguments)) != given:
+            raise CheckpointError(f"{folder.root / name}/config.json: not the {class_name} its islands_model builds")
+        return model
     if class_name not in ADAPTERS:
-        raise CheckpointError(f"{folder.root / name}/config.json: {class_name!r} is not one of {', '.join(ADAPTERS)}")
+        raise CheckpointError(f"{folder.root / name}/config.json: {class_name!r} is not one of "
+                              f"{', '.join([*ADAPTERS, *OWN_ARCH])}")
     model = to_dict(cfg)["model"]
     return {**model, "arch": "diffusers", "class_name": class_name, "pretrained": None,
             "config": {k: v for k, v in config.items() if not k.startswith("_")}}
+
+
+def _load(net, folder: _Folder, name: str) -> None:
+    """The expert folder's weights into Islands' network: a diffusers class's renamed (and its null caption read
+    back into the network), Islands' own under the wrapper's `net.` prefix."""
+    weights = folder.weights(f"{name}/diffusion_pytorch_model.safetensors")
+    if not isinstance(net, DiffusersNetwork):
+        if not all(key.startswith("net.") for key in weights):
+            raise ValueError("its weights are not an Islands network's (net.*)")
+        net.load_state_dict({key.removeprefix("net."): value for key, value in weights.items()})
+        return
+    net.load_diffusers_state_dict(weights)
+    if net.text is not None:  # the null caption as the forward takes it: its first token row, its pooled vector
+        null = folder.weights(f"{name}/{NULL_CAPTION}")
+        own = {"null_token": null["encoder_hidden_states"][0, 0]}
+        if "pooled_projections" in null:
+            own["null_pooled"] = null["pooled_projections"][0]
+        net.text.load_state_dict(own)
 
 
 def _write(weights: dict, path: Path) -> str:
@@ -121,17 +158,11 @@ def _imported_experts(folder: _Folder, cfg, building: Path) -> list[dict]:
         name = expert["folder"]
         if not re.fullmatch(r"expert_\d+", name):
             raise CheckpointError(f"{folder.root / INDEX}: expert folder {name!r} is not expert_N")
-        model = _expert_model(folder, name, cfg)
+        model = _expert_model(folder, expert, cfg)
         net = uninitialised_network(validate({"run_dir": ".", "model": model}).model, tuple(index["shape"]),
                                     index["num_classes"])
         try:
-            net.load_diffusers_state_dict(folder.weights(f"{name}/diffusion_pytorch_model.safetensors"))
-            if net.text is not None:  # the null caption as the forward takes it: its first token row, its pooled
-                null = folder.weights(f"{name}/{NULL_CAPTION}")
-                own = {"null_token": null["encoder_hidden_states"][0, 0]}
-                if "pooled_projections" in null:
-                    own["null_pooled"] = null["pooled_projections"][0]
-                net.text.load_state_dict(own)
+            _load(net, folder, name)
         except (ValueError, RuntimeError) as err:
             reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise CheckpointError(f"{folder.root / name}: {reason}") from None

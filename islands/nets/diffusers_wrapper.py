@@ -75,3 +75,6 @@ class IslandsDiT(IslandsNetwork):
 
 # model.arch -> the class it exports as
 EXPORTED_CLASS = {"unet": IslandsUNet, "dit": IslandsDiT}
+# The package an export ships these classes in, and the files of islands/nets/ it is made of (this one among them).
+PACKAGE = "islands_networks"
+SHIPPED = ("condition", "layers", "dit", "unet", "diffusers_wrapper")
