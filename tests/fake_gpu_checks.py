@@ -268,3 +268,45 @@ def test_the_ema_takes_in_the_device_weights():
     ema.update(net, images_seen=8, batch=4)
     ema.load_state_dict({k: v.cpu() for k, v in ema.state_dict().items()})  # a checkpoint's tensors, read on the CPU
     assert all(v.device == DEVICE for v in ema.state_dict().values())
+
+
+@pytest.mark.parametrize("routing", ["sample", "ancestral_then:topk:1@0.5"])  # the router's draws; both selections
+def test_the_exported_ensembles_pipeline_samples_on_the_device(routing):
+    """islands/ddm/diffusers_pipeline.py (shipped as an exported ensemble's pipeline.py): a class-conditional DiT and
+    DDPM U-Net and a text-conditioned SD3 expert, the router, on the device; labels, captions, noise given on the CPU,
+    as a user hands them over."""
+    import diffusers
+    from test_diffusers_nets import CONFIGS, TEXT
+
+    from islands.ddm import diffusers_pipeline as shipped
+
+    def on_device(model):
+        return model.eval().to(DEVICE)
+
+    dit = on_device(diffusers.DiTTransformer2DModel(**CONFIGS["DiTTransformer2DModel"], in_channels=1, sample_size=8,
+                                                    num_embeds_ada_norm=2))
+    unet = on_device(diffusers.UNet2DModel(**CONFIGS["UNet2DModel"], in_channels=1, out_channels=1, sample_size=8,
+                                           num_class_embeds=3))
+    router = on_device(shipped.DDMRouter(sample_size=8, in_channels=1, num_experts=2, patch_size=2, hidden_size=16,
+                                         depth=1, num_heads=2, num_classes=2))
+    index = {"prior": [0.5, 0.5], "prior_by_class": [[0.9, 0.1], [0.2, 0.8], [0.5, 0.5]], "shape": [1, 8, 8],
+             "sample": {"routing": "ancestral", "steps": 2, "guidance": 2.0}}
+    pipe = shipped.DDMPipeline([shipped.Expert(dit, 2, None), shipped.Expert(unet, 2, None)], router,
+                               diffusers.FlowMatchEulerDiscreteScheduler(), index)
+    x = pipe(4, class_labels=torch.tensor([0, 1, 0, 1]), routing=routing, latents=torch.randn(4, 1, 8, 8),
+             generator=torch.Generator().manual_seed(0))
+    assert x.device.type == DEVICE.type and bool(torch.isfinite(x).all())
+
+    sd3 = on_device(diffusers.SD3Transformer2DModel(**CONFIGS["SD3Transformer2DModel"], in_channels=1, out_channels=1,
+                                                    sample_size=8, joint_attention_dim=TEXT["text_width"],
+                                                    pooled_projection_dim=TEXT["text_pooled_width"]))
+    null = {"encoder_hidden_states": torch.zeros(1, 5, 12, device=DEVICE),
+            "pooled_projections": torch.zeros(1, 10, device=DEVICE)}
+    text_router = on_device(shipped.DDMRouter(sample_size=8, in_channels=1, num_experts=2, patch_size=2,
+                                              hidden_size=16, depth=1, num_heads=2, pooled_width=10))
+    pipe = shipped.DDMPipeline([shipped.Expert(sd3, 0, null), shipped.Expert(sd3, 0, null)], text_router,
+                               diffusers.FlowMatchEulerDiscreteScheduler(), {**index, "prior_by_class": None})
+    caption = shipped.Caption(torch.randn(4, 5, 12), torch.ones(4, 5, dtype=torch.bool), torch.randn(4, 10))
+    x = pipe(4, caption=caption, routing=routing, latents=torch.randn(4, 1, 8, 8),
+             generator=torch.Generator().manual_seed(0))
+    assert x.device.type == DEVICE.type and bool(torch.isfinite(x).all())

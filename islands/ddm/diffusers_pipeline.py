@@ -334,9 +334,10 @@ class DDMPipeline:
                 own = own_networks(root, files)
             model_class = getattr(own, name) if name in OWN_CLASSES else getattr(diffusers, name)
             model = load_component(root, files, entry["folder"], model_class)
-            null, name = None, f"{entry['folder']}/{NULL_CAPTION}"
-            if name in files:
-                null = {k: v.to(device) for k, v in safetensors_load(read_verified(root, name, files[name])).items()}
+            null, null_file = None, f"{entry['folder']}/{NULL_CAPTION}"
+            if null_file in files:
+                null = {k: v.to(device) for k, v in
+                        safetensors_load(read_verified(root, null_file, files[null_file])).items()}
             experts.append(Expert(model.to(device), index["num_classes"], null))
         router = load_component(root, files, "router", DDMRouter).to(device) if "router" in index else None
         scheduler_config = "scheduler/scheduler_config.json"
@@ -415,6 +416,8 @@ class DDMPipeline:
         x = latents.to(device=device, dtype=torch.float32)
         if class_labels is not None:
             class_labels = torch.as_tensor(class_labels, dtype=torch.long, device=device)
+        if caption is not None:  # on the experts' device, as every tensor that meets them
+            caption = Caption(caption.states.to(device), caption.mask.to(device), caption.pooled.to(device))
         if routing["policy"] in ("ancestral", "ancestral_then") and clusters is None:
             clusters = self.ancestral_clusters(len(x), class_labels, caption, generator)
         draws = torch.Generator().manual_seed(routing_seed)
