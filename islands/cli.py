@@ -517,12 +517,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  "replaced")
     p.set_defaults(func=_report)
 
-    p = sub.add_parser("export", help="write a run as a folder diffusers loads without Islands",
-                       description="Write the run's network (model.arch: diffusers) as its own diffusers class with "
-                                   "the latest checkpoint's EMA weights, the scheduler of its path, a model_index.json "
-                                   "and islands_export.json (the run's config, the weights' sha256).")
-    p.add_argument("run_dir", help="a run directory trained with model.arch: diffusers, or an ensemble directory "
-                                   "(written in the open DDM layout: expert_N/, router/, partition/, pipeline.py)")
+    p = sub.add_parser("export", help="write a run or an ensemble as a folder diffusers loads without Islands",
+                       description="Write the run's network with the latest checkpoint's EMA weights (a model.arch: "
+                                   "diffusers network as its own class, Islands' U-Net or DiT as IslandsUNet or "
+                                   "IslandsDiT with their code beside), the scheduler of its path, a model_index.json "
+                                   "and islands_export.json (the run's config, the files' sha256); or an ensemble in "
+                                   "the open DDM layout (expert_N/, router/, partition/, pipeline.py, ddm.json).")
+    p.add_argument("run_dir", help="a run directory (model.arch diffusers, unet or dit), or an ensemble directory")
     p.add_argument("out", help="the folder to write; it must not exist or be empty")
     p.set_defaults(func=_export)
 
