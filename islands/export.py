@@ -27,7 +27,6 @@ import yaml
 from safetensors.torch import save_file
 
 from islands import __version__, nets
-from islands.data.shards import file_sha256
 from islands.errors import CheckpointError, ConfigError
 from islands.generate import load_denoiser
 from islands.nets import OWN_NETWORK_ARGUMENTS
@@ -36,6 +35,7 @@ from islands.nets.diffusers_wrapper import PACKAGE, SHIPPED
 from islands.nets.text_folder import text_pooling
 from islands.rundir import CONFIG, describe_run, latest_checkpoint, weights_file
 from islands.train.captions import recorded_text_encoder
+from islands.untrusted import file_sha256
 
 # the folder each class's pipelines read it from
 COMPONENT = {"UNet2DModel": "unet", "UNet2DConditionModel": "unet", "DiTTransformer2DModel": "transformer",

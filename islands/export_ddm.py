@@ -20,7 +20,6 @@ from safetensors.torch import save_file
 
 from islands import __version__
 from islands.config import load_config, validate
-from islands.data.shards import file_sha256
 from islands.ddm import diffusers_pipeline
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_WEIGHTS
 from islands.ddm.ensemble import member_network, read_manifest, read_verified
@@ -32,6 +31,7 @@ from islands.export import null_caption, own_model, scheduler_for, shipped_sourc
 from islands.nets import OWN_NETWORK_ARGUMENTS
 from islands.nets.diffusers_net import NULL_CAPTION
 from islands.nets.diffusers_wrapper import SHIPPED
+from islands.untrusted import file_sha256
 
 INDEX = diffusers_pipeline.INDEX
 

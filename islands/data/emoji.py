@@ -30,10 +30,10 @@ import torch
 from PIL import Image, ImageDraw, ImageFont, features
 
 from islands.data.fingerprint import cache_dir
-from islands.data.shards import file_sha256
 from islands.data.sources import _ArraySource, _check_resolution
 from islands.errors import DataError
 from islands.rundir import read_npz
+from islands.untrusted import file_sha256
 
 EMOJI_FONT = "/usr/share/fonts/truetype/noto/NotoColorEmoji.ttf"
 EMOJI_TEST = "/usr/share/unicode/emoji/emoji-test.txt"

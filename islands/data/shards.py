@@ -35,12 +35,12 @@ from tqdm import tqdm
 from islands.data.sources import Source
 from islands.data.sources import _to_unit as to_unit
 from islands.errors import DataError
+from islands.untrusted import file_sha256
 
 MANIFEST = "manifest.json"
 FORMAT = "islands-shards/1"
 OPEN_FILES = 64  # shard files a process keeps open (least recently read closed first)
 READ_CHUNK = 1024  # examples taken from the source at a time while writing
-HASH_BLOCK = 1 << 20
 
 
 CAPTION = "caption.npy"  # a caption's packed embedding (islands encode --text-encoder)
@@ -52,14 +52,6 @@ def shard_name(i: int) -> str:
 
 def index_name(i: int) -> str:
     return f"shard-{i:06d}.idx.npy"
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def whole_sha256(shards: list[dict]) -> str:

@@ -18,7 +18,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 
 from islands.config import Config, to_dict, validate
-from islands.data.shards import file_sha256
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS, ConditionRouter, condition_prior
 from islands.ddm.mixture import DEFAULT_ROUTING, ExpertSlot, Mixture, PriorRouter, parse_routing
 from islands.ddm.runs import ensemble_dir, expert_dir, expert_runs, partition_dir, router_dir
@@ -31,6 +30,7 @@ from islands.nets.router import route
 from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, weights_file
 from islands.train.captions import recorded_text_encoder
 from islands.train.latents import recorded_sha256
+from islands.untrusted import file_sha256
 
 MANIFEST = "ensemble.json"
 

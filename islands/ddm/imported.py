@@ -25,7 +25,6 @@ import yaml
 
 from islands.config import to_dict, validate
 from islands.data import build_data
-from islands.data.shards import file_sha256
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS
 from islands.ddm.ensemble import MANIFEST, member_network
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
@@ -35,6 +34,7 @@ from islands.nets import OWN_NETWORK_ARGUMENTS
 from islands.nets.diffusers_net import ADAPTERS, NULL_CAPTION, DiffusersNetwork
 from islands.nets.diffusers_wrapper import EXPORTED_CLASS, PACKAGE, SHIPPED
 from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, load_weights, save_weights, weights_file
+from islands.untrusted import file_sha256
 
 INDEX = "ddm.json"
 # Islands' own networks as the export names them; the folder carries their code (PACKAGE) for plain diffusers, and
