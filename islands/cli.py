@@ -48,7 +48,7 @@ def _train(args) -> int:
         if not index.isdecimal():
             raise ConfigError(f"tstage: {ranges[0]!r} is not tstage=I with I a number")
         cfg = tstage_config(cfg, int(index))
-    run_dir = train(cfg, progress=not args.quiet, teacher=_teacher(cfg))
+    run_dir = train(cfg, progress=not args.quiet, teacher=_teacher(cfg), fall_back=args.fall_back)
     print(run_summary(run_dir))
     return 0
 
@@ -371,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML file with sections data, model, flow, train, sample and keys run_dir, seed")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="dotted overrides of config keys, e.g. train.images=20000 model.arch=dit")
+    p.add_argument("--fall-back", action="store_true",
+                   help="resume from the checkpoint before the latest when one of the latest's files was changed "
+                        "since it was written (without it, such a change stops the run)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
 

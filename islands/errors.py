@@ -18,6 +18,11 @@ class CheckpointError(ValueError):
     """A run directory, checkpoint, weights, samples or manifest file cannot be read as what it should be."""
 
 
+class TamperedCheckpoint(CheckpointError):
+    """A checkpoint file is whole (the size its checkpoint recorded) but holds other bytes than were written: changed
+    by someone, not cut short by a crash or a copy. A resume stops on it unless asked to fall back."""
+
+
 class TrainingStopped(RuntimeError):
     """The run cannot go on (e.g. too many non-finite steps in a row); the last checkpoint is intact."""
 

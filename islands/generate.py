@@ -30,7 +30,7 @@ from islands.flow.samplers import sample
 from islands.images import save_samples_picture
 from islands.nets import build_network
 from islands.parallel import launch
-from islands.rundir import atomic_write, describe_run, latest_checkpoint, load_weights, weights_file
+from islands.rundir import atomic_write, checkpoint_weights, describe_run, latest_checkpoint
 from islands.train.captions import encode_captions, open_run_text_encoder, recorded_text_encoder
 from islands.train.latents import open_data_space
 
@@ -44,7 +44,7 @@ def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser,
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint yet")
-    weights = load_weights(weights_file(ckpt, use_ema))
+    weights = checkpoint_weights(ckpt, use_ema)
     net = network_with_weights(cfg.model, tuple(info["shape"]), info["num_classes"], weights)
     path = build_path(cfg.flow.path, **cfg.flow.path_options())
     return NetworkDenoiser(net, path, cfg.flow.prediction), cfg, info

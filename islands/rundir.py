@@ -33,7 +33,8 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from islands.config import Config, to_dict, trajectory_changes, validate
-from islands.errors import CheckpointError, ConfigError
+from islands.errors import CheckpointError, ConfigError, TamperedCheckpoint
+from islands.untrusted import file_sha256, inside
 
 CONFIG, MODEL, MARKER = "config.yaml", "model.json", "complete"
 
@@ -125,8 +126,61 @@ def weights_file(ckpt: Path, use_ema: bool = True) -> Path:
     return ema if use_ema and ema.exists() else Path(ckpt) / "model.safetensors"
 
 
+def checkpoint_files(ckpt: Path) -> dict:
+    """{name: {"bytes", "sha256"}} of every file of a checkpoint folder being written (its shards included), for its
+    state.json: what every later read of the checkpoint checks."""
+    ckpt = Path(ckpt)
+    return {str(p.relative_to(ckpt)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+            for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name not in ("state.json", MARKER)}
+
+
 def read_state(ckpt: Path) -> dict:
-    return json.loads((Path(ckpt) / "state.json").read_text())
+    """The checkpoint's state.json, its record of files checked for shape (a state written by hand is refused)."""
+    path = Path(ckpt) / "state.json"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from None
+    files = state.get("files") if isinstance(state, dict) else None
+    if not isinstance(files, dict) or not all(
+            isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)
+            for entry in files.values()):
+        raise CheckpointError(f"{path} records no sha256 of the checkpoint's files (written by hand, or by an Islands "
+                              "before 0.1 hashed its checkpoints); it cannot be trusted")
+    return state
+
+
+def verified(ckpt: Path, name: str, state: dict | None = None) -> Path:
+    """ckpt/name, checked against the size and sha256 its state.json recorded: a file cut short (a crash, a copy
+    that did not finish) is a CheckpointError, one of the right size with other bytes a TamperedCheckpoint."""
+    ckpt = Path(ckpt)
+    entry = (state or read_state(ckpt))["files"].get(name)
+    path = inside(ckpt, name, "checkpoint")
+    if entry is None:
+        raise CheckpointError(f"{path}: not among the files {ckpt / 'state.json'} records")
+    try:
+        size = path.stat().st_size
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read: {err.strerror or err}") from None
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{path}: {size} bytes, the checkpoint recorded {entry['bytes']} (cut short?)")
+    if file_sha256(path) != entry["sha256"]:
+        raise TamperedCheckpoint(f"{path}: its sha256 is not the one {ckpt / 'state.json'} recorded: the file was "
+                                 "changed after it was written")
+    return path
+
+
+def verify_checkpoint(ckpt: Path) -> dict:
+    """Every file state.json records, checked as `verified` checks one; returns the state."""
+    state = read_state(ckpt)
+    for name in state["files"]:
+        verified(ckpt, name, state)
+    return state
+
+
+def checkpoint_weights(ckpt: Path, use_ema: bool = True) -> dict:
+    """The checkpoint's averaged (else raw) weights, checked against its record before they are read."""
+    return load_weights(verified(ckpt, weights_file(ckpt, use_ema).name))
 
 
 def read_trainer(ckpt: Path) -> dict:

@@ -1,16 +1,20 @@
 """Weights files: safetensors round trip, and no unpickling of anything we did not write."""
 
+import json
 import pickle
 import pickletools
 
 import pytest
 import torch
+import yaml
 from conftest import write_config
+from hostile import flip_byte_in_place
 
 from islands.cli import main
 from islands.errors import CheckpointError
-from islands.rundir import latest_checkpoint, list_checkpoints, load_weights, read_trainer, save_weights
+from islands.rundir import checkpoint_files, latest_checkpoint, list_checkpoints, load_weights, read_trainer, save_weights
 from islands.train.checkpoint import read_sharded, write_checkpoint
+from islands.untrusted import file_sha256
 
 
 def test_safetensors_round_trip_keeps_values_and_dtypes(tmp_path):
@@ -81,6 +85,13 @@ def a_run_with_one_checkpoint(tmp_path) -> tuple[str, object]:
     return config, latest_checkpoint(tmp_path / "run")
 
 
+def rerecorded(ckpt) -> None:
+    """The attacker rewrote state.json's record of the files too: the hashes pass, and the readers behind them must
+    still refuse what the files hold."""
+    state = json.loads((ckpt / "state.json").read_text())
+    (ckpt / "state.json").write_text(json.dumps({**state, "files": checkpoint_files(ckpt)}))
+
+
 def calling(module: str, name: str, arg: str) -> bytes:
     """A protocol-4 pickle of `module.name(arg)`, built opcode by opcode: STACK_GLOBAL looks `name` up in `module`
     and follows its dots, as pickle does from protocol 4 on."""
@@ -106,6 +117,7 @@ def test_a_dotted_global_in_sharded_metadata_is_refused_by_name_on_resume(tmp_pa
     marker.unlink()
 
     (ckpt / "sharded" / ".metadata").write_bytes(payload)
+    rerecorded(ckpt)
     code = main(["train", config, "train.images=128", "--quiet"])
     err = capsys.readouterr().err
     assert not marker.exists()
@@ -124,7 +136,55 @@ def test_a_trainer_state_that_would_run_code_is_refused_by_name_on_resume(tmp_pa
 
     with pytest.raises(CheckpointError, match="trainer.pt: Unsupported global: GLOBAL getattr"):
         read_trainer(ckpt)
+    rerecorded(ckpt)
     assert main(["train", config, "train.images=128", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot read {ckpt / 'trainer.pt'}" in err, err
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_checkpoint_records_every_file_and_a_swapped_older_weights_file_is_refused_when_sampled(tmp_path, capsys):
+    """Issue 35.2: an older valid model.safetensors swapped in (right format, another size or the same) sampled
+    silently; every file of a checkpoint now carries its sha256 in state.json."""
+    config, first = a_run_with_one_checkpoint(tmp_path)
+    assert main(["train", config, "train.images=128", "--quiet"]) == 0
+    latest = latest_checkpoint(tmp_path / "run")
+    recorded = json.loads((latest / "state.json").read_text())["files"]
+    on_disk = sorted(str(p.relative_to(latest)) for p in latest.rglob("*") if p.is_file())
+    assert sorted(recorded) == [n for n in on_disk if n not in ("state.json", "complete")]
+    assert "sharded/.metadata" in recorded and "model.safetensors" in recorded
+    assert all(recorded[n]["sha256"] == file_sha256(latest / n) for n in recorded)
+
+    out = tmp_path / "samples"
+    for weights in ("ema.safetensors", "model.safetensors"):
+        if (first / weights).exists():
+            (latest / weights).write_bytes((first / weights).read_bytes())  # the same size: only the hash tells
+    capsys.readouterr()
+    assert main(["sample", str(tmp_path / "run"), "--num", "4", "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "safetensors: its sha256 is not the one" in err, err
+    assert not out.exists()
+
+
+def test_a_changed_checkpoint_file_stops_the_resume_unless_asked_to_fall_back(tmp_path, capsys):
+    """Issue 35.9: a file whose hash fails is an attack, not a crash: one line and exit 2, the checkpoints left as
+    they are; --fall-back resumes from the one before, with one warning, and ends where an undisturbed run ends."""
+    config, first = a_run_with_one_checkpoint(tmp_path)
+    assert main(["train", config, "train.images=128", "train.keep_checkpoints=3", "--quiet"]) == 0
+    latest = latest_checkpoint(tmp_path / "run")
+    flip_byte_in_place(latest / "model.safetensors")
+    capsys.readouterr()
+    assert main(["train", config, "train.images=192", "train.keep_checkpoints=3", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.safetensors: its sha256 is not the one" in err and "--fall-back" in err
+    assert list_checkpoints(tmp_path / "run") == [first, latest]
+
+    assert main(["train", config, "train.images=192", "train.keep_checkpoints=3", "--fall-back", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("islands: warning:") == 1 and f"resumed from {first}" in err, err
+    fell_back = load_weights(latest_checkpoint(tmp_path / "run") / "model.safetensors")
+
+    undisturbed = write_config(tmp_path / "u.yaml", {**yaml.safe_load(open(config)), "run_dir": str(tmp_path / "u")})
+    assert main(["train", undisturbed, "train.images=192", "--quiet"]) == 0
+    straight = load_weights(latest_checkpoint(tmp_path / "u") / "model.safetensors")
+    assert all(torch.equal(fell_back[k], straight[k]) for k in straight)

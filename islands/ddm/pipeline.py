@@ -46,7 +46,7 @@ from islands.eval.features import Features, Pixels
 from islands.flow.samplers import evaluations_per_sample
 from islands.generate import open_run
 from islands.images import save_samples_picture, save_side_by_side
-from islands.rundir import describe_run, latest_checkpoint, prepare_run_dir, trained_below
+from islands.rundir import describe_run, latest_checkpoint, prepare_run_dir, read_state, trained_below
 from islands.train.captions import condition_on_captions
 from islands.train.flops import flops_per_image
 from islands.train.latents import open_data_space
@@ -158,7 +158,7 @@ def _save_ensemble_config(cfg: Config) -> None:
 
 def _finished(run: Path, images: int) -> bool:
     ckpt = latest_checkpoint(run)
-    return ckpt is not None and json.loads((ckpt / "state.json").read_text())["progress"]["images"] >= images
+    return ckpt is not None and read_state(ckpt)["progress"]["images"] >= images
 
 
 def ensemble_training_flops(cfg: Config) -> float:

@@ -13,7 +13,7 @@ import torch
 
 from islands.errors import CheckpointError, TrainingStopped
 from islands.parallel.distributed_checkpoint import UnsafeCheckpoint, load_sharded, save_sharded
-from islands.rundir import MARKER, checkpoint_dir, latest_checkpoint, list_checkpoints, save_weights
+from islands.rundir import MARKER, checkpoint_dir, checkpoint_files, latest_checkpoint, list_checkpoints, save_weights
 
 
 def _fsync_dir(path: Path) -> None:
@@ -43,6 +43,8 @@ def write_checkpoint(run_dir: Path, images: int, sharded: dict, exports: dict, t
         for name, weights in exports.items():
             save_weights(weights, tmp / name)
         torch.save(trainer, tmp / "trainer.pt")
+        # every file's size and sha256 (the shards of all ranks included), which every read of it checks
+        state = {**state, "files": checkpoint_files(tmp)}
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         (tmp / MARKER).write_text("")
         for f in tmp.iterdir():

@@ -24,18 +24,19 @@ from islands.trainer.ranges import tstage_config
 from islands.trainer.reporters import Step, build_reporters
 
 
-def train(cfg: Config, progress: bool = True, teacher=None) -> Path:
+def train(cfg: Config, progress: bool = True, teacher=None, fall_back: bool = False) -> Path:
     """Train (or resume) the run that `cfg` describes and return its directory.
 
     Under torchrun every rank calls this; rank 0 alone writes files. A distilled student needs `teacher`:
-    (cfg, device) -> the ensemble as a `Denoiser` (islands.ddm.ensemble.distillation_teacher).
+    (cfg, device) -> the ensemble as a `Denoiser` (islands.ddm.ensemble.distillation_teacher). `fall_back`: resume
+    from an earlier checkpoint when the latest holds a file changed since it was written (else the run stops).
     """
     world = init_world(cfg.parallel.timeout_s)
     progress = progress and world.is_main
     try:
         if cfg.parallel.strategy == "tstages":
             cfg, world = range_of_this_rank(cfg, world)
-        return _train(cfg, world, progress, teacher)
+        return _train(cfg, world, progress, teacher, fall_back)
     finally:
         close_world()
 
@@ -50,13 +51,13 @@ def range_of_this_rank(cfg: Config, world: World) -> tuple[Config, World]:
     return tstage_config(cfg, index, {"strategy": "ddp" if group.distributed else "none"}), group
 
 
-def _train(cfg: Config, world: World, progress: bool, teacher) -> Path:
+def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool = False) -> Path:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     # Adam's second moments of rarely-used weights decay into denormal floats, which are ~100x slower on CPUs.
     torch.set_flush_denormal(True)
     parts = build_parts(cfg, world, teacher)
-    state = parts.resume()
+    state = parts.resume(fall_back)
     if state.images >= cfg.train.images:
         if progress:
             print(f"{parts.run_dir}: already trained on {state.images} images; nothing to do")

@@ -14,7 +14,7 @@ from islands.data import ClusterSubset, build_data, data_name
 from islands.data.clusters import read_clusters
 from islands.data.sources import Source
 from islands.data.space import PIXELS, DataSpace
-from islands.errors import CheckpointError, ConfigError, DataError, IslandsWarning, config_errors
+from islands.errors import CheckpointError, ConfigError, DataError, IslandsWarning, TamperedCheckpoint, config_errors
 from islands.generate import network_with_weights
 from islands.nets import build_network
 from islands.nets.dit import DiT, interpolated_pos_embed
@@ -23,13 +23,13 @@ from islands.parallel.launch import World, warn_if_bf16_is_slow
 from islands.parallel.strategies import Strategy
 from islands.rundir import (
     atomic_write_text,
+    checkpoint_weights,
     latest_checkpoint,
     list_checkpoints,
-    load_weights,
     prepare_run_dir,
     read_state,
     read_trainer,
-    weights_file,
+    verify_checkpoint,
     write_config,
     write_model_description,
 )
@@ -83,16 +83,21 @@ class Parts:
         """The held state as the strategy lays it out in the checkpoint (a replica's under its own name)."""
         return self.strategy.checkpoint_layout(held or self.held_state())
 
-    def resume(self) -> Progress:
+    def resume(self, fall_back: bool = False) -> Progress:
         """Load the latest complete checkpoint that can be read, in place (resharded to this run's layout and world
-        size). One that cannot (a file truncated under its marker) is passed over, with one warning, for the one
-        before it, which fills every tensor again; every rank takes the same one. A run none of whose checkpoints
-        can be read is refused rather than begun again."""
+        size). One that cannot (a file cut short under its marker) is passed over, with one warning, for the one
+        before it, which fills every tensor again; every rank takes the same one. A file of the right size whose
+        sha256 is not the recorded one was changed on purpose: that stops the run, so that an attack cannot quietly
+        roll it back, unless `fall_back` (islands train --fall-back). A run none of whose checkpoints can be read is
+        refused rather than begun again."""
         found = list_checkpoints(self.run_dir)
         reasons = []
         for ckpt in reversed(found):
             loaded = self._load(ckpt)
             if isinstance(loaded, str):
+                if loaded.startswith(TamperedCheckpoint.__name__) and not fall_back:
+                    raise TamperedCheckpoint(f"{loaded.split(': ', 1)[1]}; resume stopped (islands train ... "
+                                             "--fall-back resumes from the checkpoint before it)")
                 reasons.append(loaded)
                 continue
             if reasons and self.main:
@@ -109,11 +114,15 @@ class Parts:
         small = {}
 
         def read_small():  # every rank reads them, and must know before the collective read whether all could
-            small.update(trainer=read_trainer(ckpt), progress=Progress(**read_state(ckpt)["progress"]))
+            state = verify_checkpoint(ckpt) if self.main else None  # every file's bytes, once
+            small.update(trainer=read_trainer(ckpt), progress=Progress(**(state or read_state(ckpt))["progress"]))
 
         held = self.held_state()
-        why = agreed(self.world, read_small) or agreed(
-            self.world, lambda: read_sharded(ckpt, self.sharded_state(held), self.world.group))
+        why = agreed(self.world, read_small)
+        changed = TamperedCheckpoint.__name__
+        if not self.world.all_finite(not (why or "").startswith(changed)):  # every rank stops, or none
+            return why if (why or "").startswith(changed) else f"{changed}: {ckpt}: another rank found a file changed"
+        why = why or agreed(self.world, lambda: read_sharded(ckpt, self.sharded_state(held), self.world.group))
         if why:
             return why
         self.strategy.resumed()
@@ -259,7 +268,7 @@ def start_from(net: torch.nn.Module, run_dir: Path) -> None:
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise ConfigError(f"train.init_from: {run_dir} has no complete checkpoint")
-    weights, own = load_weights(weights_file(ckpt)), net.state_dict()
+    weights, own = checkpoint_weights(ckpt), net.state_dict()
     unfit = f"train.init_from: the weights of {run_dir} do not fit this model"
     missing, extra = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
     if missing or extra:
