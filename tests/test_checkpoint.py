@@ -12,7 +12,14 @@ from hostile import flip_byte_in_place
 
 from islands.cli import main
 from islands.errors import CheckpointError
-from islands.rundir import checkpoint_files, latest_checkpoint, list_checkpoints, load_weights, read_trainer, save_weights
+from islands.rundir import (
+    checkpoint_files,
+    latest_checkpoint,
+    list_checkpoints,
+    load_weights,
+    read_trainer,
+    save_weights,
+)
 from islands.train.checkpoint import read_sharded, write_checkpoint
 from islands.untrusted import file_sha256
 

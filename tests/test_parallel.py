@@ -271,7 +271,8 @@ def test_a_checkpoint_another_rank_cannot_read_is_passed_over_by_this_one_too():
 
     assert agreed(World(), lambda: None) is None
     assert agreed(AnotherRankFailed(), lambda: None) == "another rank cannot read it"
-    assert agreed(World(), lambda: read_state(Path("/nonexistent"))).startswith("CheckpointError: cannot read /nonexistent/state.json")
+    said = agreed(World(), lambda: read_state(Path("/nonexistent")))
+    assert said.startswith("CheckpointError: cannot read /nonexistent/state.json")
 
 
 def sharded_state_of_one_process(cfg) -> dict:
