@@ -195,3 +195,45 @@ def test_a_changed_checkpoint_file_stops_the_resume_unless_asked_to_fall_back(tm
     assert main(["train", undisturbed, "train.images=192", "--quiet"]) == 0
     straight = load_weights(latest_checkpoint(tmp_path / "u") / "model.safetensors")
     assert all(torch.equal(fell_back[k], straight[k]) for k in straight)
+
+
+def _edited_metadata(ckpt, edit) -> None:
+    """The checkpoint's DCP metadata, unpickled, edited and pickled again (with its record rewritten to match)."""
+    path = ckpt / "sharded" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    path.write_bytes(pickle.dumps(edit(metadata)))
+    rerecorded(ckpt)
+
+
+def test_sharded_metadata_of_the_wrong_shape_is_one_line_on_resume(tmp_path, capsys):
+    """Issue 35.4: a REDUCE that builds Metadata("x") passed the unpickler's allow-list, then raised AttributeError."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    config, ckpt = a_run_with_one_checkpoint(tmp_path)
+    _edited_metadata(ckpt, lambda _: Metadata("x"))
+    capsys.readouterr()
+    assert main(["train", config, "train.images=128", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not checkpoint metadata" in err, err
+
+
+def test_a_shard_named_outside_the_checkpoint_is_not_read(tmp_path, capsys):
+    """Issue 35.7: a storage entry's relative_path of ../../outside_ck/x.distcp was followed out of the checkpoint."""
+    config, ckpt = a_run_with_one_checkpoint(tmp_path)
+    outside = tmp_path / "outside_ck" / "x.distcp"
+    outside.parent.mkdir()
+    shard = next((ckpt / "sharded").glob("*.distcp"))
+    outside.write_bytes(shard.read_bytes())  # what it would read is a good copy: only the rule refuses it
+
+    def lead_out(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = f"../../../outside_ck/{outside.name}"
+        return metadata
+
+    _edited_metadata(ckpt, lead_out)
+    shard.unlink()
+    rerecorded(ckpt)
+    capsys.readouterr()
+    assert main(["train", config, "train.images=128", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "leads out of the folder" in err, err

@@ -19,7 +19,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from islands.errors import DataError
+from islands.untrusted import inside
 
 # Exactly what DCP's Metadata pickles hold (listed from the checkpoints the test suite writes under every strategy);
 # names, not module prefixes: a protocol-4 pickle resolves a dotted name through a module's own imports, so
@@ -56,14 +60,29 @@ class _SafeReader(FileSystemReader):
             raise UnsafeCheckpoint(f"{path}: {err}") from None
         except Exception as err:  # a damaged file can fail anywhere in the unpickler, and means the same each time
             raise UnsafeCheckpoint(f"cannot read checkpoint metadata {path}: {type(err).__name__}: {err}") from None
-        if not isinstance(metadata, Metadata):
-            raise UnsafeCheckpoint(f"{path} is not checkpoint metadata")
-        kinds = {type(m) for m in metadata.state_dict_metadata.values()}
-        if kinds - {TensorStorageMetadata}:  # non-tensor entries would be unpickled without restriction
-            raise UnsafeCheckpoint(f"{path} lists entries that are not tensors")
+        _check_metadata(metadata, path)
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_metadata(metadata, path: Path) -> None:
+    """What the unpickler built is DCP's metadata of tensors only, whose storage entries name files inside the
+    checkpoint folder at non-negative offsets; anything else is refused before DCP reads a byte by it."""
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
+            or not isinstance(metadata.storage_data, dict):
+        raise UnsafeCheckpoint(f"{path} is not checkpoint metadata")
+    kinds = {type(m) for m in metadata.state_dict_metadata.values()}
+    if kinds - {TensorStorageMetadata}:  # non-tensor entries would be unpickled without restriction
+        raise UnsafeCheckpoint(f"{path} lists entries that are not tensors")
+    for info in metadata.storage_data.values():
+        if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str) or not all(
+                isinstance(n, int) and n >= 0 for n in (info.offset, info.length)):
+            raise UnsafeCheckpoint(f"{path}: a storage entry that is not a file's offset and length ({info!r:.80})")
+        try:
+            inside(path.parent, info.relative_path, "checkpoint")
+        except DataError as err:
+            raise UnsafeCheckpoint(str(err)) from None
 
 
 @contextlib.contextmanager
