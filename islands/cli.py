@@ -59,9 +59,11 @@ def _sample(args) -> int:
     from islands.ddm.mixture import DEFAULT_ROUTING
     from islands.ddm.sampling import open_sampler
     from islands.flow.samplers import evaluations_per_sample
+    from islands.generate import check_sample_count, check_samples_folder
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    check_samples_folder(Path(args.out))
     options = {"steps": args.steps, "solver": args.solver, "grid": args.grid, "guidance": args.guidance,
                "batch_size": args.batch_size, "precision": args.precision}
     run_dir = Path(args.run_dir)
@@ -70,6 +72,7 @@ def _sample(args) -> int:
                           "timestep-range experts (no tstages/)")
     sampler = open_sampler(run_dir, options, use_ema=not args.no_ema, routing=args.routing,
                            max_loaded=args.max_loaded)
+    check_sample_count(args.num, sampler.shape)
     prompts = _prompts(args)
     if prompts and args.class_label is not None:
         raise ConfigError("--class: a sample is conditioned on a class or on a prompt, not both")
@@ -89,6 +92,8 @@ def _sample(args) -> int:
 def _prompts(args) -> list[str]:
     """--prompt (repeatable) and the lines of --prompt-file, in that order; [] for none."""
     prompts = list(args.prompt or [])
+    if any(not prompt.strip() for prompt in prompts):  # the null caption is what an unconditional sample draws
+        raise ConfigError("--prompt: an empty prompt; to sample without a caption, leave --prompt out")
     if args.prompt_file:
         try:
             lines = Path(args.prompt_file).read_text(encoding="utf-8").splitlines()

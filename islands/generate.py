@@ -10,6 +10,8 @@ whatever the batch size or the number of samples asked for.
 """
 
 import contextlib
+import math
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -196,13 +198,40 @@ def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleC
     return torch.cat(out)
 
 
+SAMPLES_MARKER = ".islands-samples"  # in a folder `islands sample` wrote, which a later sample may write over
+
+
+def check_samples_folder(out_dir: Path) -> None:
+    """Refuse, before anything is sampled, an output that is a file, or a folder holding files Islands' sampling did
+    not write (a run folder, a person's pictures): only a folder absent, empty or written by `write_samples` is
+    written into."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out: {out_dir} is a file, not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / SAMPLES_MARKER).is_file():
+        raise ConfigError(f"--out: {out_dir} holds files that islands sample did not write; give a new or empty "
+                          "folder")
+
+
+def check_sample_count(num: int, shape: tuple, device="cpu") -> None:
+    """Refuse a --num whose samples alone would not fit in this machine's memory (they are held whole to be
+    written), before any is drawn."""
+    needed = 2 * num * math.prod(shape) * 4  # float32, and the clamped copy written
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > available:
+        raise ConfigError(f"--num: {num} samples of shape {tuple(shape)} need {needed / 2**30:.1f} GiB, more than "
+                          f"this machine's {available / 2**30:.1f} GiB; sample fewer at a time (--seed and --num)")
+
+
 def write_samples(x: torch.Tensor, labels: torch.Tensor | None, out_dir: Path,
                   captions: list[str] | None = None) -> list[Path]:
     """out_dir/samples.npz (array x, float32, data space; y when class-conditional, prompt when drawn for prompts)
     and a picture. Samples that are not finite are written too (they are what the model made), and counted in a
     warning."""
     out_dir = Path(out_dir)
+    check_samples_folder(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / SAMPLES_MARKER).touch()
     broken = int((~torch.isfinite(x.flatten(1))).any(1).sum())
     if broken:  # counted before clamping, which would turn an infinity into a valid-looking pixel
         warnings.warn(f"{broken} of {len(x)} samples are not finite (NaN or infinity); written to "

@@ -102,6 +102,13 @@ CASES = {  # name: (the command line from the fixture's paths, what its one line
                              "train.images: 8 is fewer than one batch (train.batch_size=16)"),
     "run_dir a file": (lambda m: ["train", m["run_yaml"], f"run_dir={m['file']}"], "run_dir: names a file"),
     "no checkpoint": (lambda m: ["sample", str(m["unfinished"])], "has no complete checkpoint"),
+    # issue 35, items 6 and 8: outputs that are files or folders of other things, counts beyond the machine
+    "sample out a file": (lambda m: ["sample", str(m["run"]), "--out", str(m["file"])], "a_file is a file"),
+    "sample out the run": (lambda m: ["sample", str(m["run"]), "--out", str(m["run"])],
+                           "holds files that islands sample did not write"),
+    "sample num beyond memory": (lambda m: ["sample", str(m["run"]), "--num", "10000000000"],
+                                 "--num: 10000000000 samples of shape (2,) need"),
+    "empty prompt": (lambda m: ["sample", str(m["run"]), "--prompt", ""], "--prompt: an empty prompt"),
 }
 
 
@@ -111,7 +118,7 @@ def test_bad_input_exits_2_with_one_line_naming_it(made, capsys, case):
     argv = argv(made)
     out = made["root"] / f"out-{case.replace(' ', '-')}"
     if argv[0] == "sample":
-        argv += ["--out", str(out)] + ([] if "--num" in argv else ["--num", "2"])
+        argv += ([] if "--out" in argv else ["--out", str(out)]) + ([] if "--num" in argv else ["--num", "2"])
     capsys.readouterr()
     code = main([*argv, "--quiet"])
     err = capsys.readouterr().err
@@ -187,3 +194,18 @@ def test_samples_that_are_not_finite_are_written_and_counted_in_one_warning(made
     assert err.count("\n") == 1 and err.startswith("islands: warning: 3 of 6 samples are not finite"), err
     with np.load(out / "samples.npz", allow_pickle=False) as f:
         assert np.isnan(f["x"]).any(1).tolist() == [False, True] * 3 and f["y"].tolist() == [0, 1] * 3
+
+
+def test_sampling_writes_over_its_own_samples_only(made, capsys):
+    """Issue 35.6: --out DIR wrote over a person's grid.png and samples.npz. A folder islands sample wrote is
+    written again; one holding anything else is refused whole, its files as they were."""
+    own, theirs = made["root"] / "own-samples", made["root"] / "their-pictures"
+    argv = ["sample", str(made["run"]), "--num", "2", "--quiet", "--out"]
+    assert main([*argv, str(own)]) == 0 and main([*argv, str(own), "--seed", "5"]) == 0
+    theirs.mkdir()
+    (theirs / "grid.png").write_bytes(b"a person's picture")
+    capsys.readouterr()
+    assert main([*argv, str(theirs)]) == 2
+    assert "holds files that islands sample did not write" in capsys.readouterr().err
+    assert sorted(p.name for p in theirs.iterdir()) == ["grid.png"]
+    assert (theirs / "grid.png").read_bytes() == b"a person's picture"
