@@ -227,21 +227,25 @@ class DiffusersModel(_Model):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.class_name is not None:
-            return self
         if self.pretrained is None:
-            raise ValueError(f"class_name: give the diffusers class ({', '.join(DIFFUSERS_CLASSES)}) and its "
-                             "model.config, or a diffusers folder as model.pretrained")
-        if self.config:
-            raise ValueError("config: a pretrained network's config is its folder's config.json")
+            if self.class_name is None:
+                raise ValueError(f"class_name: give the diffusers class ({', '.join(DIFFUSERS_CLASSES)}) and its "
+                                 "model.config, or a diffusers folder as model.pretrained")
+            return self
         from islands.nets.vae_folder import read_config  # the folder's config only, its weights when the run starts
 
         try:
             config = read_config(self.pretrained, "diffusers folder", DIFFUSERS_CLASSES)
         except ValueError as err:
             raise ValueError(f"pretrained: {err}") from None
-        self.class_name = config["_class_name"]
-        self.config = {k: v for k, v in config.items() if not k.startswith("_")}
+        # a resolved config names both (read from the folder); given by hand, they must say what the folder says
+        folder_config = {k: v for k, v in config.items() if not k.startswith("_")}
+        if self.class_name not in (None, config["_class_name"]):
+            raise ValueError(f"class_name: {self.class_name}, but model.pretrained {self.pretrained} holds a "
+                             f"{config['_class_name']}; leave class_name out, the folder names its class")
+        if self.config and self.config != folder_config:
+            raise ValueError("config: a pretrained network's config is its folder's config.json; leave it out")
+        self.class_name, self.config = config["_class_name"], folder_config
         return self
 
 

@@ -49,3 +49,26 @@ def test_adm_imagenet64_preset_is_the_papers_296m_network_but_for_its_resampling
            - emb + (9 * cfg.model.channels * 3 + 3))
     assert len(downsamplers) == len(levels) - 1
     assert adm == pytest.approx(296e6, abs=0.5e6)  # the paper's figure, rounded to millions
+
+
+def test_a_class_name_beside_a_pretrained_folder_must_be_the_folders_own(tmp_path):
+    """Issue 35.8: model.class_name given with model.pretrained was passed over, and the network built from the
+    class's defaults failed later on a confusing block_out_channels message."""
+    import diffusers
+
+    from islands.config import validate
+
+    diffusers.UNet2DModel(block_out_channels=(8, 16), norm_num_groups=4, layers_per_block=1, sample_size=8,
+                          in_channels=1, out_channels=1,
+                          down_block_types=("DownBlock2D", "DownBlock2D"),
+                          up_block_types=("UpBlock2D", "UpBlock2D")).save_pretrained(tmp_path / "unet")
+    model = {"arch": "diffusers", "pretrained": str(tmp_path / "unet")}
+    resolved = validate({"run_dir": str(tmp_path / "run"), "model": model}).model
+    assert resolved.class_name == "UNet2DModel" and resolved.config["block_out_channels"] == [8, 16]
+    again = validate({"run_dir": "r", "model": {**model, "class_name": "UNet2DModel", "config": resolved.config}}).model
+    assert again.config == resolved.config  # a resolved config (both named) validates as it was written
+    with pytest.raises(ValueError, match="class_name: DiTTransformer2DModel, but model.pretrained .* holds a "
+                                         "UNet2DModel"):
+        validate({"run_dir": "r", "model": {**model, "class_name": "DiTTransformer2DModel"}})
+    with pytest.raises(ValueError, match="a pretrained network's config is its folder's config.json"):
+        validate({"run_dir": "r", "model": {**model, "config": {"layers_per_block": 3}}})
