@@ -68,6 +68,10 @@ class FolderData(_Data):
     # what a run checks before its first step, so that a bad file stops it there and not when a batch reaches it:
     # decode every image (remembered per state of the files), or open each one and verify its structure only
     check: Literal["decode", "headers"] = "decode"
+    # captions: NAME.txt beside NAME.png, or Hugging Face's metadata.jsonl/.csv (file_name and this column)
+    caption_key: str = "text"
+    # an image without a caption in a captioned folder: refused (naming it), or trained with the empty caption
+    missing_caption: Literal["refuse", "empty"] = "refuse"
 
 
 class EmojiData(_Data):
@@ -116,9 +120,13 @@ DataConfig = Annotated[Mnist5kData | FashionMnistData | FolderData | EmojiData |
 
 
 def captioned(data) -> bool:
-    """Whether the data has captions: the emoji, or shards whose examples hold a caption."""
+    """Whether the data has captions: the emoji, an image folder that keeps them, or shards whose examples hold one."""
     if data.source == "emoji":
         return True
+    if data.source == "folder":
+        from islands.data.sources import has_captions
+
+        return has_captions(data.path)
     manifest = Path(data.path) / "manifest.json" if data.source == "shards" else None
     try:
         return manifest is not None and "txt" in json.loads(manifest.read_text()).get("members", [])

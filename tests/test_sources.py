@@ -1,4 +1,5 @@
 import gzip
+import json
 import os
 import re
 import struct
@@ -18,6 +19,7 @@ from islands.data.sources import (
     Mnist5k,
     Source,
     build_source,
+    has_captions,
     read_idx,
 )
 
@@ -410,3 +412,69 @@ def test_a_damaged_image_stops_a_run_before_anything_is_written_naming_the_file(
     err = capsys.readouterr().err
     assert err.startswith(f"islands: corrupt image file {bad}: ") and err.count("\n") == 1, err
     assert not run.exists() or not any(run.iterdir())  # no step taken: no config, metrics or checkpoint
+
+
+# folder captions (issue 36 section 2)
+
+def captioned_tree(root, layout: str):
+    """Four images in two class folders, captioned the way `layout` says: sidecars, a metadata.jsonl at the root,
+    or a metadata.csv in each class folder (with the caption in a column of another name)."""
+    names = {"cats/a.png": "a red cat", "cats/b.webp": "a blue cat", "dogs/c.jpg": "a green dog",
+             "dogs/d.png": "a grey dog"}
+    colours = {"cats/a.png": (255, 0, 0), "cats/b.webp": (0, 0, 255), "dogs/c.jpg": (0, 255, 0),
+               "dogs/d.png": (128, 128, 128)}
+    for name in names:
+        save_image(root / name, (12, 10), colours[name])
+    if layout == "sidecars":
+        for name, caption in names.items():
+            (root / name).with_suffix(".txt").write_text(f"  {caption}\n", encoding="utf-8")
+    elif layout == "jsonl":
+        (root / "metadata.jsonl").write_text("".join(
+            json.dumps({"file_name": name, "text": caption}) + "\n" for name, caption in names.items()))
+    else:
+        for folder in ("cats", "dogs"):
+            rows = [(n.split("/")[1], c) for n, c in names.items() if n.startswith(folder)]
+            (root / folder / "metadata.csv").write_text("file_name,prompt\n" + "".join(f"{n},{c}\n" for n, c in rows))
+    return names
+
+
+@pytest.mark.parametrize("layout", ["sidecars", "jsonl", "csv"])
+def test_folder_captions_come_from_sidecars_or_a_metadata_table(tmp_path, layout):
+    names = captioned_tree(tmp_path / "images", layout)
+    key = {"caption_key": "prompt"} if layout == "csv" else {}
+    src = build_source("folder", path=str(tmp_path / "images"), resolution=8, **key)
+    assert src.captioned and src.num_classes == 2 and len(src) == 4
+    files = [os.path.relpath(f, tmp_path / "images") for f in src.files]
+    assert src.captions(range(4)) == [names[f] for f in files]
+    x, y = src.get(range(4))
+    assert y.tolist() == [0, 0, 1, 1]
+    assert x[files.index("cats/b.webp"), 2].mean() > 0.9  # the WebP decodes: its blue is there
+    assert has_captions(str(tmp_path / "images"))
+
+
+def test_a_partly_captioned_folder_is_refused_naming_the_first_uncaptioned_image_unless_empty_is_asked(tmp_path):
+    names = captioned_tree(tmp_path / "images", "sidecars")
+    (tmp_path / "images" / "dogs" / "c.txt").unlink()
+    with pytest.raises(DataError, match=r"dogs/c.jpg has no caption \(1 of 4 images have none, 3 have one\)"):
+        build_source("folder", path=str(tmp_path / "images"), resolution=8)
+    src = build_source("folder", path=str(tmp_path / "images"), resolution=8, missing_caption="empty")
+    assert src.captions(range(4)) == [names["cats/a.png"], names["cats/b.webp"], "", names["dogs/d.png"]]
+
+
+def test_a_folder_without_captions_is_not_captioned_and_bad_tables_are_one_line(tmp_path, image_tree):
+    src = build_source("folder", path=str(image_tree), resolution=8)  # notes.txt is no image's sidecar
+    assert not src.captioned and not has_captions(str(image_tree))
+    with pytest.raises(DataError, match="has no captions"):
+        src.captions([0])
+    root = tmp_path / "bad"
+    captioned_tree(root, "jsonl")
+    (root / "metadata.jsonl").write_text('{"file_name": "../../etc/passwd", "text": "x"}\n')
+    with pytest.raises(DataError, match="row 1 names '../../etc/passwd', outside"):
+        build_source("folder", path=str(root), resolution=8)
+    (root / "metadata.jsonl").write_text('{"file_name": "cats/a.png"}\n')
+    with pytest.raises(DataError, match="row 1 lacks a file_name or a 'text' text"):
+        build_source("folder", path=str(root), resolution=8)
+    (root / "metadata.jsonl").unlink()
+    (root / "cats" / "a.txt").write_bytes(b"\xff\xfe not utf-8")
+    with pytest.raises(DataError, match="a.txt: cannot read as UTF-8"):
+        build_source("folder", path=str(root), resolution=8, missing_caption="empty")

@@ -34,7 +34,9 @@ from islands.errors import DataError
 from islands.rundir import read_npz
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
+# Hugging Face's imagefolder: a table beside the images, `file_name` relative to the table's own folder
+METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 
 
 class Source(ABC):
@@ -61,7 +63,8 @@ class Source(ABC):
     def captions(self, indices) -> list[str]:
         """The captions of the examples, one string each, for a `captioned` source; any other refuses by name."""
         name = self.options[0] if self.options else type(self).__name__
-        raise DataError(f"the {name} data has no captions (a captioned source: data.source emoji)")
+        raise DataError(f"the {name} data has no captions (captioned data: the emoji, an image folder with NAME.txt "
+                        "beside each image or a metadata.jsonl, or shards of either)")
 
     def caption_embeddings(self, indices):
         """The examples' caption embeddings as stored beside them (`stored_captions` says by what); only shards that
@@ -290,7 +293,8 @@ class ImageFolder(Source):
     says what check() does: decode every image, or only open each file and verify
     its structure."""
 
-    def __init__(self, path, resolution, channels=3, background=None, check="decode"):
+    def __init__(self, path, resolution, channels=3, background=None, check="decode", caption_key="text",
+                 missing_caption="refuse"):
         self.resolution = _check_resolution(resolution, required=True)
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {channels!r}")
@@ -332,6 +336,8 @@ class ImageFolder(Source):
         self.num_classes = len(self.classes)
         self.shape = (channels, self.resolution, self.resolution)
         self.flip, self.quantised = True, True
+        self.caption_list = folder_captions(self.root, files, caption_key, missing_caption)
+        self.captioned = self.caption_list is not None
 
     def __len__(self):
         return len(self.files)
@@ -366,6 +372,11 @@ class ImageFolder(Source):
         y = None if self.labels is None else torch.from_numpy(self.labels[idx])
         return _to_unit(torch.from_numpy(x)), y
 
+    def captions(self, indices) -> list[str]:
+        if not self.captioned:
+            return super().captions(indices)
+        return [self.caption_list[int(i)] for i in indices]
+
     def check(self):
         """Every image decoded as training would (check='decode'), or each file
         opened and its structure verified ('headers': a PNG's chunks and their
@@ -379,6 +390,82 @@ class ImageFolder(Source):
                     img.verify()
             except Exception as e:
                 raise _corrupt(path, e) from None
+
+
+def folder_captions(root: str, files: list[str], caption_key: str = "text",
+                    missing_caption: str = "refuse") -> list[str] | None:
+    """Each image's caption where people keep them: a sidecar NAME.txt beside NAME.png (kohya's and img2dataset's
+    layout), or a row of a Hugging Face imagefolder table (metadata.jsonl or .csv, in the folder or any subfolder,
+    `file_name` relative to the table and the caption in column `caption_key`). None for a folder without captions;
+    a folder where some images have one and others not is refused, unless `missing_caption` is 'empty'."""
+    if missing_caption not in ("refuse", "empty"):
+        raise ValueError(f"missing_caption must be 'refuse' or 'empty', got {missing_caption!r}")
+    found = _table_captions(root, caption_key)
+    for f in files:
+        sidecar = os.path.splitext(f)[0] + ".txt"
+        if not os.path.isfile(sidecar):
+            continue
+        text = _read_caption(sidecar)
+        if f in found and found[f] != text:
+            raise DataError(f"image file {f}: its caption in {sidecar} and its metadata row differ; keep one")
+        found[f] = text
+    if not found:
+        return None
+    missing = [f for f in files if f not in found]
+    if missing and missing_caption == "refuse":
+        raise DataError(f"image folder {root}: {missing[0]} has no caption ({len(missing)} of {len(files)} images "
+                        f"have none, {len(files) - len(missing)} have one); caption them, or set "
+                        "data.missing_caption: empty to train those with the empty caption")
+    return [found.get(f, "") for f in files]
+
+
+def _read_caption(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"caption file {path}: cannot read as UTF-8 text: {e}") from None
+
+
+def _table_captions(root: str, caption_key: str) -> dict[str, str]:
+    """{image path: caption} from every metadata.jsonl / metadata.csv under `root`."""
+    import csv
+    import json
+
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in METADATA_FILES:
+            if name not in filenames:
+                continue
+            table = os.path.join(dirpath, name)
+            try:
+                with open(table, encoding="utf-8", newline="") as f:
+                    rows = [json.loads(line) for line in f if line.strip()] if name.endswith("jsonl") \
+                        else list(csv.DictReader(f))
+            except (OSError, UnicodeDecodeError, ValueError, csv.Error) as e:
+                raise DataError(f"metadata file {table}: cannot read: {e}") from None
+            for i, row in enumerate(rows):
+                if not isinstance(row, dict) or not isinstance(row.get("file_name"), str) \
+                        or not isinstance(row.get(caption_key), str):
+                    raise DataError(f"metadata file {table}: row {i + 1} lacks a file_name or a {caption_key!r} "
+                                    "text (data.caption_key names the caption column)")
+                image = os.path.normpath(os.path.join(dirpath, row["file_name"]))
+                if not image.startswith(os.path.normpath(root) + os.sep):
+                    raise DataError(f"metadata file {table}: row {i + 1} names {row['file_name']!r}, outside {root}")
+                found[image] = row[caption_key].strip()
+    return found
+
+
+def has_captions(root: str) -> bool:
+    """Whether an image folder keeps captions (a sidecar .txt or a metadata table anywhere in it), without reading
+    them: what a config's default condition is decided by."""
+    for _, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        stems = {os.path.splitext(f)[0] for f in filenames if f.lower().endswith(IMAGE_EXTENSIONS)}
+        if any(f in METADATA_FILES or f.endswith(".txt") and f[:-4] in stems for f in filenames):
+            return True
+    return False
 
 
 def _corrupt(path, error) -> DataError:
