@@ -260,3 +260,48 @@ def run_summary(run_dir: Path) -> str:
                       f"samples:         {grids[-1] if grids else 'none'}",
                       f"metrics:         {run_dir / 'metrics.jsonl'}",
                       f"tensorboard:     tensorboard --logdir {run_dir / 'tensorboard'}"])
+
+
+# --- folders built beside their place --------------------------------------------------------------------------------
+
+BUILDING_MARKER = ".islands-building"  # in a folder Islands is building: the one kind of folder it ever removes
+
+
+def building_folder(out: Path) -> Path:
+    """`.OUT.partial` beside `out`: where `out` is built whole before it is renamed into place."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.partial")
+
+
+def refuse_foreign_building_folder(out: Path) -> None:
+    """A `.OUT.partial` without Islands' marker is a person's (or a link to one): refused, never removed."""
+    building = building_folder(out)
+    if not (building.exists() or building.is_symlink()):
+        return
+    if building.is_symlink() or not building.is_dir() or not (building / BUILDING_MARKER).is_file():
+        raise ConfigError(f"{building} exists and is not a folder Islands was building (it has no {BUILDING_MARKER}); "
+                          "move it away or choose another output")
+
+
+def start_building(out: Path) -> Path:
+    """A fresh, marked `.OUT.partial` to build `out` in; one a killed attempt left (it carries the marker) is removed,
+    any other refused (`refuse_foreign_building_folder`)."""
+    import shutil  # only the writers of whole folders need it
+
+    refuse_foreign_building_folder(out)
+    building = building_folder(out)
+    if building.exists():
+        shutil.rmtree(building)
+    building.mkdir(parents=True)
+    (building / BUILDING_MARKER).write_text("Islands is building this folder; it is renamed into place when whole\n")
+    return building
+
+
+def finish_building(building: Path, out: Path) -> Path:
+    """The built folder, its marker taken out, renamed to `out` (which must be absent or an empty folder)."""
+    (Path(building) / BUILDING_MARKER).unlink()
+    out = Path(out)
+    if out.exists():
+        out.rmdir()
+    Path(building).rename(out)
+    return out

@@ -60,7 +60,7 @@ def test_islands_encode_on_two_ranks_writes_the_bytes_one_process_writes(tmp_pat
         ranks = run_ranks(["encode", config, str(tmp_path / out), *args], nproc=nproc, timeout=180)
         assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
     one, two = (sorted(p.name for p in (tmp_path / out).iterdir()) for out in ("one", "two"))
-    assert one == two and len(one) == 15  # 7 tars, 7 indices, the manifest
+    assert one == two and len(one) == 22  # 7 tars, 7 indices, 7 member sha256 files, the manifest
     for name in one:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 

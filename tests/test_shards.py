@@ -167,7 +167,7 @@ def test_islands_shard_on_two_ranks_writes_the_bytes_one_process_writes(tmp_path
     ranks = run_ranks(["shard", config, str(tmp_path / "two"), "--shard-size", "10", "--quiet"], nproc=2, timeout=120)
     assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
     one, two = (sorted(p.name for p in (tmp_path / out).iterdir()) for out in ("one", "two"))
-    assert one == two and len(one) == 15  # 7 tars, 7 indices, the manifest; no part files left
+    assert one == two and len(one) == 22  # 7 tars, 7 indices, 7 member sha256 files, the manifest; nothing else
     for name in one:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
     assert not list(tmp_path.glob(".*partial"))

@@ -4,8 +4,14 @@ the reference statistics are cached under it.
 
 Hashing decodes every example: 0.5 s for Fashion-MNIST's 60,000 images, a full decoding pass for a folder of
 images, at every start of every expert. So the digest of a source read from files is kept in the cache folder, under
-everything the source was built with and each file's path, size and modification time; a file changed since is
-hashed again. The check a run makes of its data before its first step (`Source.check`) is remembered the same way.
+everything the source was built with and the sha256 of each file it is read from (`Source.read_from`): a file whose
+bytes changed is hashed again, whatever its size and modification time say. The check a run makes of its data
+before its first step (`Source.check`) is remembered the same way.
+
+Keying on content costs one read of those files at every start (sha256 streams at about 1.5 GB/s a core: 0.02 s
+for Fashion-MNIST's 30 MB), far less than decoding them. Shards read from terabytes name only their manifest, indices
+and per-member sha256 files (a few dozen bytes an example): they check every member against its sha256 as they read
+it, so their tars need not be hashed to be trusted.
 """
 
 import hashlib
@@ -14,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from islands.data.sources import Source
+from islands.untrusted import file_sha256
 
 
 def cache_dir() -> Path:
@@ -28,15 +35,12 @@ def data_fingerprint(source: Source) -> str:
 
 
 def remembered(source: Source, what: str, compute: Callable[[], str]) -> str:
-    """compute(), or what it gave for `what` of this source when it was built alike and its files were as they are
-    now; computed each time for a source not read from files or not built by `build_source`."""
-    try:
-        stats = [(os.path.abspath(p), s.st_size, s.st_mtime_ns) for p in source.read_from for s in [os.stat(p)]]
-    except OSError:  # a file gone since the source read it
-        stats = []
-    if not stats or source.options is None:
+    """compute(), or what it gave for `what` of this source when it was built alike from files of the same bytes;
+    computed each time for a source not read from files or not built by `build_source`."""
+    files = _files_state(source)
+    if not files or source.options is None:
         return compute()
-    key = repr((what, source.options, len(source), tuple(source.shape), stats))
+    key = repr((what, source.options, len(source), tuple(source.shape), files))
     path = cache_dir() / "sources" / hashlib.sha256(key.encode()).hexdigest()
     try:
         return path.read_text()
@@ -51,6 +55,19 @@ def remembered(source: Source, what: str, compute: Callable[[], str]) -> str:
     except OSError:  # a cache we cannot write costs time, not correctness
         pass
     return found
+
+
+def _files_state(source: Source) -> list:
+    """The sha256 of every file the source is read from, and the size and mtime of those it checks byte by byte as it
+    reads them (`checked_when_read`, a shard folder's tars): a change there that keeps both is caught by the read, so
+    they serve only to find an honest change at the start. Empty when a file is gone since the source read it."""
+    try:
+        content = [(os.path.abspath(p), file_sha256(p)) for p in source.read_from]
+        states = [(os.path.abspath(p), s.st_size, s.st_mtime_ns)
+                  for p in getattr(source, "checked_when_read", ()) for s in [os.stat(p)]]
+    except OSError:
+        return []
+    return [*content, *states] if content else []
 
 
 def _digest(source: Source) -> str:

@@ -8,6 +8,9 @@
                               for a captioned source) and `000000000.cls` (the class, in ASCII)
     OUT/shard-000000.idx.npy  int64 (examples, members, 2): the byte offset and size of each member's data, the
                               members in the manifest's order (`members`); `x` names the one that is the example
+    OUT/shard-000000.sha256.npy  uint8 (examples, members, 32): the sha256 of each member's data, checked at every
+                              read (format islands-shards/2; a folder of /1 has none, and its tars are hashed whole
+                              at every start instead)
 
 The tars are what webdataset, wids and tar read. The index makes them random access (as `wids` does by scanning):
 an example is one `pread` of its adjacent members, so the loader orders the stream by position exactly as for an
@@ -15,13 +18,20 @@ in-memory source, and a run resumes at any image on any number of ranks and load
 [i S, (i + 1) S) whoever wrote it: under torchrun rank r of W writes the shards i = r mod W, and the files are the
 same bytes as one process writes. Nothing is unpickled: arrays by `np.load(allow_pickle=False)`, images by PIL.
 Examples come back as stored, never clamped: images in [-1, 1], latents on their own scale.
+
+A shard folder may come from elsewhere, so nothing in it is trusted: every file read lies inside the folder (no link
+out), the manifest's numbers are bounded, each index's offsets lie inside its tar, a class is one of the manifest's,
+and each member's bytes match their sha256 when read. That last check is what lets data/fingerprint.py remember a
+run's whole-shard check by the manifest, indices and sha256 files alone: a tar changed afterwards, whatever its
+size and mtime, fails at the read of the first changed member, naming it. It costs one sha256 of the bytes read
+(about 1.5 GB/s a core, less than decoding a PNG).
 """
 
 import hashlib
 import io
 import json
+import math
 import os
-import shutil
 import tarfile
 from collections import OrderedDict
 from collections.abc import Callable
@@ -35,10 +45,14 @@ from tqdm import tqdm
 from islands.data.sources import Source
 from islands.data.sources import _to_unit as to_unit
 from islands.errors import DataError
-from islands.untrusted import file_sha256
+from islands.rundir import building_folder, finish_building, refuse_foreign_building_folder, start_building
+from islands.untrusted import file_sha256, inside
 
 MANIFEST = "manifest.json"
-FORMAT = "islands-shards/1"
+FORMAT = "islands-shards/2"  # /2: each member's sha256 beside the index, checked at every read
+UNCHECKED_FORMAT = "islands-shards/1"  # still read: without member sha256, its tars are hashed at every start
+MAX_EXAMPLE_NUMBERS = 1 << 28  # numbers in one example (a GiB of float32): a manifest asking more is not ours
+MAX_CLASSES = 1 << 20
 OPEN_FILES = 64  # shard files a process keeps open (least recently read closed first)
 READ_CHUNK = 1024  # examples taken from the source at a time while writing
 
@@ -52,6 +66,10 @@ def shard_name(i: int) -> str:
 
 def index_name(i: int) -> str:
     return f"shard-{i:06d}.idx.npy"
+
+
+def digests_name(i: int) -> str:
+    return f"shard-{i:06d}.sha256.npy"
 
 
 def whole_sha256(shards: list[dict]) -> str:
@@ -133,11 +151,13 @@ def write_part(source: Source, folder: Path, shard_size: int, rank: int = 0, ran
                         example["cls"] = str(int(y[j])).encode()
                     tar_writer.write(example)
                 bar.update(len(x))
-        columns = [*members.members, *labelling_members(source)]
-        np.save(folder / index_name(i), _index_of(tar, lo, hi, columns), allow_pickle=False)
-        entries.append({"tar": shard_name(i), "index": index_name(i), "examples": hi - lo,
-                        "bytes": tar.stat().st_size, "sha256": file_sha256(tar),
-                        "index_sha256": file_sha256(folder / index_name(i))})
+        index = _index_of(tar, lo, hi, [*members.members, *labelling_members(source)])
+        np.save(folder / index_name(i), index, allow_pickle=False)
+        np.save(folder / digests_name(i), _digests_of(tar, index), allow_pickle=False)
+        entries.append({"tar": shard_name(i), "index": index_name(i), "digests": digests_name(i),
+                        "examples": hi - lo, "bytes": tar.stat().st_size, "sha256": file_sha256(tar),
+                        "index_sha256": file_sha256(folder / index_name(i)),
+                        "digests_sha256": file_sha256(folder / digests_name(i))})
     bar.close()
     return entries
 
@@ -152,9 +172,21 @@ def _index_of(tar: Path, lo: int, hi: int, members: list[str]) -> np.ndarray:
     return index
 
 
+def _digests_of(tar: Path, index: np.ndarray) -> np.ndarray:
+    """(examples, members, 32) uint8: the sha256 of each member's data, read back from the tar where `index` says."""
+    digests = np.zeros((*index.shape[:2], 32), dtype=np.uint8)
+    with open(tar, "rb") as f:
+        for (row, column), (at, size) in zip(np.ndindex(index.shape[:2]), index.reshape(-1, 2), strict=True):
+            digests[row, column] = np.frombuffer(hashlib.sha256(os.pread(f.fileno(), int(size), int(at))).digest(),
+                                                 dtype=np.uint8)
+    return digests
+
+
 def refuse_written_over(out: Path) -> None:
+    """`out` must be absent or an empty folder, and a `.OUT.partial` beside it one that Islands was building."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(f"{out} is not an empty folder; shards are never written over another data set")
+    refuse_foreign_building_folder(out)
 
 
 def write_shards(source: Source, out: Path, shard_size: int, made_from: dict, rank: int = 0, ranks: int = 1,
@@ -164,10 +196,8 @@ def write_shards(source: Source, out: Path, shard_size: int, made_from: dict, ra
     `out` once whole, so that no half-written shard folder is ever left as `out` (which must be absent or empty).
     -> the manifest on rank 0, None on the others. `barrier` waits for every rank (a World's)."""
     refuse_written_over(out)
-    partial = out.with_name(f".{out.name}.partial")
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # what a killed attempt left
-        partial.mkdir(parents=True)
+    barrier()  # every rank has looked at `.OUT.partial` before rank 0 removes the one a killed attempt left
+    partial = start_building(out) if rank == 0 else building_folder(out)
     barrier()
     writer = writer or ExampleWriter(source)
     (partial / f".rank-{rank}.json").write_text(json.dumps(write_part(source, partial, shard_size, rank, ranks,
@@ -180,9 +210,7 @@ def write_shards(source: Source, out: Path, shard_size: int, made_from: dict, ra
     for part in parts:
         part.unlink()
     manifest = write_manifest(partial, shards, source, shard_size, made_from, writer)
-    if out.exists():
-        out.rmdir()
-    partial.rename(out)
+    finish_building(partial, out)
     return manifest
 
 
@@ -201,8 +229,9 @@ def write_manifest(folder: Path, shards: list[dict], source: Source, shard_size:
 
 class ShardSource(Source):
     """The examples of a shard folder (`islands shard`), read by seek through the index. Missing or truncated
-    shards and a manifest that is not a shard folder's are refused when it is built; `check` also hashes every file
-    against the manifest (a shard changed since it was written, or a manifest of other data)."""
+    shards, files that lead out of the folder and a manifest that is not a shard folder's are refused when it is
+    built; every member read is checked against its sha256; `check` also hashes every file against the manifest (a
+    shard changed since it was written, or a manifest of other data)."""
 
     def __init__(self, path):
         self.root = Path(path)
@@ -218,13 +247,31 @@ class ShardSource(Source):
         self.stored_captions = m.get("caption_embeddings")
         self.columns = [*self.arrays, *([m["members"].index("cls")] if self.num_classes else [])]
         self.member_shape = (self.shape[0] // len(self.arrays), *self.shape[1:])
-        self.tars = [self.root / s["tar"] for s in m["shards"]]
-        self.index_files = [self.root / s["index"] for s in m["shards"]]
+        self.tars = [self._file_named(s["tar"]) for s in m["shards"]]
+        self.index_files = [self._file_named(s["index"]) for s in m["shards"]]
+        self.checked_per_member = m["format"] == FORMAT
+        self.digest_files = [self._file_named(s["digests"]) for s in m["shards"]] if self.checked_per_member else []
         self.starts = np.cumsum([0] + [s["examples"] for s in m["shards"]])
-        self.read_from = (self.root / MANIFEST, *self.tars, *self.index_files)
+        self._remember_by_content()
         for tar, index, entry in zip(self.tars, self.index_files, m["shards"], strict=True):
             _check_size(tar, index, entry)
         self._indices, self._files, self._pid = {}, OrderedDict(), os.getpid()
+
+    def _file_named(self, name: str) -> Path:
+        return inside(self.root, name, "shard folder")
+
+    def _remember_by_content(self) -> None:
+        """What data/fingerprint.py keys its memory of this source on (the sha256 of `read_from`, the size and mtime
+        of `checked_when_read`). Every member read is checked against the sha256 files, so those, the indices and the
+        manifest are the content; the tars' size and mtime only make an honest change be found at the start. A
+        folder without member sha256 (format /1) is keyed on its tars' content too: hashed whole at every start."""
+        manifest = self.root / MANIFEST
+        if self.checked_per_member:
+            self.read_from = (manifest, *self.index_files, *self.digest_files)
+            self.checked_when_read = tuple(self.tars)
+        else:
+            self.read_from = (manifest, *self.tars, *self.index_files)
+            self.checked_when_read = ()
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -239,6 +286,10 @@ class ShardSource(Source):
             raise IndexError(f"example indices outside 0..{len(self) - 1}")
         shard = np.searchsorted(self.starts, idx, side="right") - 1
         return shard, idx - self.starts[shard]
+
+    def _example(self, shard: int, row: int) -> str:
+        """An example as people find it in the tar: its number in the whole set (the members' key)."""
+        return f"example {int(self.starts[shard]) + row}"
 
     def get(self, indices):
         shard, rows = self._locate(indices)
@@ -266,42 +317,65 @@ class ShardSource(Source):
         shape = tuple(self.stored_captions["shape"])
         arrays = []
         for s, r in zip(*self._locate(indices), strict=True):
-            at, size = (int(v) for v in self._index(int(s))[int(r), column])
-            blob = os.pread(self._file(int(s)), size, at)
+            blob = self._member(int(s), int(r), column)
             try:
                 a = np.load(io.BytesIO(blob), allow_pickle=False)
             except Exception as e:  # damaged bytes
-                raise DataError(f"shard {self.tars[int(s)]}: the caption embedding of example {int(r)} cannot be "
-                                f"decoded: {e}") from None
+                raise DataError(f"shard {self.tars[int(s)]}: the caption embedding of {self._example(int(s), int(r))} "
+                                f"cannot be decoded: {e}") from None
             if a.shape != shape or a.dtype != np.float32:
-                raise DataError(f"shard {self.tars[int(s)]}: the caption embedding of example {int(r)} is {a.dtype} "
-                                f"{a.shape}, the manifest says {shape}")
+                raise DataError(f"shard {self.tars[int(s)]}: the caption embedding of {self._example(int(s), int(r))} "
+                                f"is {a.dtype} {a.shape}, the manifest says {shape}")
             arrays.append(a)
         return torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros((0, *shape))
 
     def _caption(self, shard: int, row: int, column: int) -> str:
-        at, size = (int(v) for v in self._index(shard)[row, column])
-        data = os.pread(self._file(shard), size, at)
         try:
-            if len(data) != size:
-                raise ValueError(f"the file ends before byte {at + size}")
-            return data.decode()
-        except ValueError as e:  # a UnicodeDecodeError too
-            raise DataError(f"shard {self.tars[shard]}: the caption of example {row} cannot be read: {e}") from None
+            return self._member(shard, row, column).decode()
+        except UnicodeDecodeError as e:
+            raise DataError(f"shard {self.tars[shard]}: the caption of {self._example(shard, row)} cannot be read: "
+                            f"{e}") from None
 
-    def _read(self, shard: int, row: int) -> tuple[np.ndarray, int]:
-        where = self._index(shard)[row, self.columns]
-        first, end = int(where[:, 0].min()), int((where[:, 0] + where[:, 1]).max())  # an example's members lie together
+    def _member(self, shard: int, row: int, column: int) -> bytes:
+        """One member's data, whole and checked against its sha256."""
+        at, size = (int(v) for v in self._index(shard)[0][row, column])
+        return self._checked(shard, row, column, self._pread(shard, row, at, at + size))
+
+    def _pread(self, shard: int, row: int, first: int, end: int) -> bytes:
         data = os.pread(self._file(shard), end - first, first)
         if len(data) != end - first:
-            raise DataError(f"truncated shard {self.tars[shard]}: example {row} ends at byte {end}, the file has "
-                            f"{os.fstat(self._file(shard)).st_size}")
-        arrays = [self._decode(data[at - first:at - first + size], shard, row) for at, size in where[:len(self.arrays)]]
+            raise DataError(f"truncated shard {self.tars[shard]}: {self._example(shard, row)} ends at byte {end}, the "
+                            f"file has {os.fstat(self._file(shard)).st_size}")
+        return data
+
+    def _checked(self, shard: int, row: int, column: int, blob: bytes) -> bytes:
+        """`blob`, a member's data, if its sha256 is the one written beside the index (a folder of format /1 has
+        none: its tars were hashed whole when the run started)."""
+        digests = self._index(shard)[1]
+        if digests is not None and hashlib.sha256(blob).digest() != digests[row, column].tobytes():
+            raise DataError(f"shard {self.tars[shard]} changed since it was written: the "
+                            f"{self.manifest['members'][column]} of {self._example(shard, row)} is not the bytes "
+                            f"{self.digest_files[shard].name} records; write the shards again with 'islands shard'")
+        return blob
+
+    def _read(self, shard: int, row: int) -> tuple[np.ndarray, int]:
+        where = self._index(shard)[0][row, self.columns]
+        first, end = int(where[:, 0].min()), int((where[:, 0] + where[:, 1]).max())  # an example's members lie together
+        data = self._pread(shard, row, first, end)
+        members = [self._checked(shard, row, column, data[at - first:at - first + size])
+                   for column, (at, size) in zip(self.columns, where, strict=True)]
+        arrays = [self._decode(blob, shard, row) for blob in members[:len(self.arrays)]]
         x = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        if not self.num_classes:
-            return x, -1
-        c_at, c_size = where[-1]
-        return x, int(data[c_at - first:c_at - first + c_size])
+        return x, (self._class_of(members[-1], shard, row) if self.num_classes else -1)
+
+    def _class_of(self, blob: bytes, shard: int, row: int) -> int:
+        """The class a `cls` member names: ASCII digits of one of the manifest's classes. `num_classes` itself would be
+        the null row of unconditional training, so it is refused like any other number out of range."""
+        if blob.isdigit() and len(blob) <= len(str(MAX_CLASSES)) and int(blob) < self.num_classes:
+            return int(blob)
+        shown = blob[:20].decode("ascii", "backslashreplace")
+        raise DataError(f"shard {self.tars[shard]}: {self._example(shard, row)} has class {shown!r}, not one of the "
+                        f"manifest's 0..{self.num_classes - 1}")
 
     def _decode(self, blob: bytes, shard: int, row: int) -> np.ndarray:
         try:
@@ -312,25 +386,45 @@ class ShardSource(Source):
             else:
                 a = np.load(io.BytesIO(blob), allow_pickle=False)
         except Exception as e:  # decoders of damaged bytes raise all sorts of things
-            raise DataError(f"shard {self.tars[shard]}: example {row} cannot be decoded: {e}") from None
+            raise DataError(f"shard {self.tars[shard]}: {self._example(shard, row)} cannot be decoded: {e}") from None
         if a.shape != self.member_shape or a.dtype != (np.uint8 if self.quantised else np.float32):
-            raise DataError(f"shard {self.tars[shard]}: example {row} is {a.dtype} {a.shape}, the manifest says "
-                            f"{self.member_shape}")
+            raise DataError(f"shard {self.tars[shard]}: {self._example(shard, row)} is {a.dtype} {a.shape}, the "
+                            f"manifest says {self.member_shape}")
         return a
 
-    def _index(self, shard: int) -> np.ndarray:
+    def _index(self, shard: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The shard's index and member sha256 (None for format /1), each checked against the manifest's sha256 of its
+        file, and the index's offsets checked to lie inside the tar."""
         if shard not in self._indices:
-            path, entry = self.index_files[shard], self.manifest["shards"][shard]
-            members = len(self.manifest["members"])
-            try:
-                index = np.load(path, allow_pickle=False)
-            except (OSError, ValueError) as e:
-                raise DataError(f"shard index {path}: cannot read: {e}") from None
+            entry, members = self.manifest["shards"][shard], len(self.manifest["members"])
+            index = _array_listed(self.index_files[shard], entry["index_sha256"], "shard index")
             if index.shape != (entry["examples"], members, 2) or index.dtype != np.int64:
-                raise DataError(f"shard index {path}: {index.dtype} {index.shape} does not index the "
-                                f"{entry['examples']} examples the manifest gives {entry['tar']}")
-            self._indices[shard] = index
+                raise DataError(f"shard index {self.index_files[shard]}: {index.dtype} {index.shape} does not index "
+                                f"the {entry['examples']} examples the manifest gives {entry['tar']}")
+            self._check_offsets(shard, index)
+            self._indices[shard] = index, self._digests(shard)
         return self._indices[shard]
+
+    def _digests(self, shard: int) -> np.ndarray | None:
+        if not self.checked_per_member:
+            return None
+        entry, path = self.manifest["shards"][shard], self.digest_files[shard]
+        digests = _array_listed(path, entry["digests_sha256"], "shard sha256 file")
+        if digests.shape != (entry["examples"], len(self.manifest["members"]), 32) or digests.dtype != np.uint8:
+            raise DataError(f"shard sha256 file {path}: {digests.dtype} {digests.shape} does not hold a sha256 of "
+                            f"each member of the {entry['examples']} examples of {entry['tar']}")
+        return digests
+
+    def _check_offsets(self, shard: int, index: np.ndarray) -> None:
+        """Every member lies inside the tar: a negative offset or a size past the end would be an OSError or a read
+        of terabytes."""
+        at, size, tar_bytes = index[..., 0], index[..., 1], self.manifest["shards"][shard]["bytes"]
+        outside = (at < 0) | (size < 0) | (at > tar_bytes) | (size > tar_bytes - at)
+        if outside.any():
+            row, column = (int(v) for v in np.argwhere(outside)[0])
+            raise DataError(f"shard index {self.index_files[shard]}: the {self.manifest['members'][column]} of "
+                            f"{self._example(shard, row)} is {int(size[row, column])} bytes at byte "
+                            f"{int(at[row, column])}, outside the {tar_bytes} bytes of {self.tars[shard].name}")
 
     def _file(self, shard: int) -> int:
         """An open descriptor of the shard, this process's own (a forked loader worker opens its own)."""
@@ -351,16 +445,41 @@ class ShardSource(Source):
         return self._files[shard]
 
     def check(self):
-        """Every shard and index hashed against the manifest (remembered per state of the files)."""
+        """Every shard hashed whole against the manifest, its index and member sha256 read and bounded, its classes
+        read, so that a damaged shard stops a run before its first step. data/fingerprint.py remembers the pass by
+        the content of `read_from`; a tar changed afterwards is still caught, at the read of its first changed
+        member."""
         for i, (tar, index, entry) in enumerate(zip(self.tars, self.index_files, self.manifest["shards"],
                                                     strict=True)):
             _check_size(tar, index, entry)
-            _check_index(index, entry)
+            self._index(i)
             if file_sha256(tar) != entry["sha256"]:
                 raise DataError(f"shard {tar} changed since it was written, or the manifest is another data set's "
                                 f"(its sha256 is not the one {self.root / MANIFEST} lists); write the shards again "
                                 "with 'islands shard'")
-            self._index(i)
+            self._check_classes(i)
+
+    def _check_classes(self, shard: int) -> None:
+        """Every example's class is one of the manifest's (a class out of range would stop the run mid-way)."""
+        if self.num_classes:
+            column = self.manifest["members"].index("cls")
+            for row in range(self.manifest["shards"][shard]["examples"]):
+                self._class_of(self._member(shard, row, column), shard, row)
+
+
+def _array_listed(path: Path, sha256: str, what: str) -> np.ndarray:
+    """The array in `path`, read once and parsed only once its bytes are the ones the manifest lists."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{what} {path}: cannot read: {e.strerror or e}") from None
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise DataError(f"{what} {path} is not the one {path.parent / MANIFEST} lists: the manifest is another data "
+                        "set's, or the shards were written over; write them again with 'islands shard'")
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{what} {path}: cannot read: {e}") from None
 
 
 def _check_index(index: Path, entry: dict) -> None:
@@ -388,36 +507,96 @@ def _check_size(tar: Path, index: Path, entry: dict) -> None:
                         f"manifest says {entry['bytes']}")
 
 
+# --- the manifest, read as untrusted ---------------------------------------------------------------------------------
+
 MANIFEST_KEYS = {"format": str, "examples": int, "shape": list, "num_classes": int, "flip": bool, "x": str,
-                 "members": list, "sha256": str, "shards": list}
+                 "members": list, "shard_size": int, "sha256": str, "shards": list}
 SHARD_KEYS = {"tar": str, "index": str, "examples": int, "bytes": int, "sha256": str, "index_sha256": str}
+MEMBER_SHA256_KEYS = {"digests": str, "digests_sha256": str}  # format /2's, beside SHARD_KEYS
+EXAMPLE_MEMBERS = ("png", "x.npy", "latent.npy", "mean.npy")
 
 
 def read_manifest(root: Path) -> dict:
-    """The manifest of a shard folder, its structure checked and its whole hash recomputed; one line on trouble."""
-    path = root / MANIFEST
+    """The manifest of a shard folder, its structure and numbers checked and its whole hash recomputed; one line on
+    trouble."""
     if not root.is_dir():
         raise DataError(f"shard folder {root} does not exist; write it with 'islands shard CONFIG {root}'")
-    try:
-        m = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"shard folder {root} has no {MANIFEST}; write it with 'islands shard'") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise DataError(f"shard manifest {path}: cannot read: {e}") from None
-    wrong = [k for k, t in MANIFEST_KEYS.items() if not isinstance(m, dict) or not isinstance(m.get(k), t)]
-    wrong += [f"shards[{i}].{k}" for i, s in enumerate(m.get("shards") or [] if not wrong else [])
-              for k, t in SHARD_KEYS.items() if not isinstance(s, dict) or not isinstance(s.get(k), t)]
-    if wrong:
-        raise DataError(f"shard manifest {path}: missing or mistyped {', '.join(wrong)}")
-    if m["format"] != FORMAT:
-        raise DataError(f"shard manifest {path}: format {m['format']!r}, this Islands reads {FORMAT!r}")
-    if m["x"] not in ("png", "x.npy", "latent.npy", "mean.npy") or m["x"] not in m["members"]:
-        raise DataError(f"shard manifest {path}: unknown example member {m['x']!r}")
-    if ("cls" in m["members"]) != (m["num_classes"] > 0):
-        raise DataError(f"shard manifest {path}: {m['num_classes']} classes, but 'cls' is "
-                        f"{'' if 'cls' in m['members'] else 'not '}a member")
+    path = inside(root, MANIFEST, "shard folder")
+    m = _manifest_json(path)
+    _check_types(m, path)
+    _check_numbers(m, path)
+    _check_members(m, path)
     if whole_sha256(m["shards"]) != m["sha256"] or sum(s["examples"] for s in m["shards"]) != m["examples"]:
         raise DataError(f"shard manifest {path}: its shards do not add up to its sha256 and count (edited by hand?)")
-    if any(Path(s["tar"]).name != s["tar"] or Path(s["index"]).name != s["index"] for s in m["shards"]):
+    names = [s[k] for s in m["shards"] for k in ("tar", "index", "digests") if k in s]
+    if any(Path(name).name != name for name in names):
         raise DataError(f"shard manifest {path}: shard names must be file names inside {root}")
     return m
+
+
+def _manifest_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"shard folder {path.parent} has no {MANIFEST}; write it with 'islands shard'") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DataError(f"shard manifest {path}: cannot read: {e}") from None
+
+
+def _is(value, kind: type) -> bool:
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))  # JSON's true is no count
+
+
+def _check_types(m, path: Path) -> None:
+    wrong = [k for k, t in MANIFEST_KEYS.items() if not isinstance(m, dict) or not _is(m.get(k), t)]
+    if not wrong and m["format"] not in (FORMAT, UNCHECKED_FORMAT):
+        raise DataError(f"shard manifest {path}: format {m['format']!r}, this Islands reads {FORMAT!r} (and "
+                        f"{UNCHECKED_FORMAT!r})")
+    shard_keys = SHARD_KEYS if wrong or m["format"] == UNCHECKED_FORMAT else {**SHARD_KEYS, **MEMBER_SHA256_KEYS}
+    wrong += [f"shards[{i}].{k}" for i, s in enumerate(m["shards"] if not wrong else [])
+              for k, t in shard_keys.items() if not isinstance(s, dict) or not _is(s.get(k), t)]
+    if wrong:
+        raise DataError(f"shard manifest {path}: missing or mistyped {', '.join(wrong)}")
+
+
+def _check_numbers(m: dict, path: Path) -> None:
+    """Counts and sizes that the reader allocates or seeks by: non-negative, and an example no larger than a GiB."""
+    shape = m["shape"]
+    if not (1 <= len(shape) <= 4 and all(_is(n, int) and n >= 1 for n in shape)
+            and math.prod(shape) <= MAX_EXAMPLE_NUMBERS):
+        raise DataError(f"shard manifest {path}: shape {shape} is not an example's shape (1 to 4 positive sizes, "
+                        f"at most {MAX_EXAMPLE_NUMBERS:,} numbers)")
+    _within(m["examples"], 0, None, "examples", path)
+    _within(m["num_classes"], 0, MAX_CLASSES, "num_classes", path)
+    _within(m["shard_size"], 1, None, "shard_size", path)
+    for i, s in enumerate(m["shards"]):
+        _within(s["examples"], 0, m["shard_size"], f"shards[{i}].examples", path)
+        _within(s["bytes"], 0, None, f"shards[{i}].bytes", path)
+    captions = m.get("caption_embeddings")
+    if captions is not None and not (isinstance(captions, dict) and isinstance(captions.get("shape"), list)
+                                     and len(captions["shape"]) == 2
+                                     and all(_is(n, int) and n >= 1 for n in captions["shape"])
+                                     and math.prod(captions["shape"]) <= MAX_EXAMPLE_NUMBERS):
+        raise DataError(f"shard manifest {path}: caption_embeddings.shape is not a caption's (two positive sizes)")
+
+
+def _within(value: int, low: int, high: int | None, key: str, path: Path) -> None:
+    if value < low or (high is not None and value > high):
+        raise DataError(f"shard manifest {path}: {key} {value} is outside {low}..{'' if high is None else high}")
+
+
+def _check_members(m: dict, path: Path) -> None:
+    members = m["members"]
+    if not all(isinstance(name, str) for name in members) or len(set(members)) != len(members):
+        raise DataError(f"shard manifest {path}: members {members} are not distinct names")
+    if m["x"] not in EXAMPLE_MEMBERS or m["x"] not in members:
+        raise DataError(f"shard manifest {path}: unknown example member {m['x']!r}")
+    if ("cls" in members) != (m["num_classes"] > 0):
+        raise DataError(f"shard manifest {path}: {m['num_classes']} classes, but 'cls' is "
+                        f"{'' if 'cls' in members else 'not '}a member")
+    if ("caption_embeddings" in m) != (CAPTION in members):
+        raise DataError(f"shard manifest {path}: caption_embeddings and the member {CAPTION!r} go together")
+    arrays = [name for name in members if name not in ("txt", "cls", CAPTION)]
+    if m["shape"][0] % len(arrays):
+        raise DataError(f"shard manifest {path}: shape {m['shape']} does not stack its {len(arrays)} arrays "
+                        f"({', '.join(arrays)}) along the channels")
