@@ -292,7 +292,10 @@ def start_building(out: Path) -> Path:
     building = building_folder(out)
     if building.exists():
         shutil.rmtree(building)
-    building.mkdir(parents=True)
+    try:
+        building.mkdir(parents=True)
+    except OSError as err:  # a parent that is a file, a filesystem that takes no folders (/proc), no permission
+        raise ConfigError(f"{out}: cannot be written: {err.strerror or err} ({building})") from None
     (building / BUILDING_MARKER).write_text("Islands is building this folder; it is renamed into place when whole\n")
     return building
 

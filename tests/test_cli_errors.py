@@ -109,6 +109,8 @@ CASES = {  # name: (the command line from the fixture's paths, what its one line
     "sample num beyond memory": (lambda m: ["sample", str(m["run"]), "--num", "10000000000"],
                                  "--num: 10000000000 samples of shape (2,) need"),
     "empty prompt": (lambda m: ["sample", str(m["run"]), "--prompt", ""], "--prompt: an empty prompt"),
+    "shard below a file": (lambda m: ["shard", m["run_yaml"], str(m["file"] / "sub")], "sub: cannot be written"),
+    "shard into /proc": (lambda m: ["shard", m["run_yaml"], "/proc/x"], "/proc/x: cannot be written"),
 }
 
 
