@@ -74,6 +74,22 @@ class FolderData(_Data):
     missing_caption: Literal["refuse", "empty"] = "refuse"
 
 
+class HfData(_Data):
+    """A Hugging Face dataset on disk (islands/data/hf.py): a folder that save_to_disk wrote, or parquet files (a folder
+    or a glob). Never a hub id: nothing is fetched, and no dataset script is run."""
+    source: Literal["hf"] = "hf"
+    path: str
+    resolution: int = Field(gt=0)
+    split: str | None = None  # a DatasetDict's split, or the parquet files' (None: the only one, else train)
+    # the columns; None: "image", "text" (captions, where the dataset has it), "label" (classes, where it has it)
+    image_key: str | None = None
+    caption_key: str | None = None
+    label_key: str | None = None
+    channels: Literal[1, 3] = 3
+    # The grey level (0 black to 255 white) that images with transparency are composited onto; None: white.
+    background: int | None = Field(None, ge=0, le=255)
+
+
 class EmojiData(_Data):
     """Noto Color Emoji's emoji (islands/data/emoji.py): colour images labelled by their group, with captions."""
     source: Literal["emoji"] = "emoji"
@@ -115,18 +131,26 @@ class GMMData(_Data):
         return self
 
 
-DataConfig = Annotated[Mnist5kData | FashionMnistData | FolderData | EmojiData | NpzData | ShardsData | GMMData,
-                       Field(discriminator="source")]
+DataConfig = Annotated[Mnist5kData | FashionMnistData | FolderData | HfData | EmojiData | NpzData | ShardsData
+                       | GMMData, Field(discriminator="source")]
 
 
 def captioned(data) -> bool:
-    """Whether the data has captions: the emoji, an image folder that keeps them, or shards whose examples hold one."""
+    """Whether the data has captions: the emoji, an image folder that keeps them, a Hugging Face dataset with a caption
+    column, or shards whose examples hold one."""
     if data.source == "emoji":
         return True
     if data.source == "folder":
         from islands.data.sources import has_captions
 
         return has_captions(data.path)
+    if data.source == "hf":  # its schema only: no row is read
+        from islands.data.hf import has_captions as hf_has_captions
+
+        try:
+            return hf_has_captions(data.path, data.caption_key, data.split)
+        except (ValueError, OSError, ImportError):
+            return False  # refused, by name, where the run opens it
     manifest = Path(data.path) / "manifest.json" if data.source == "shards" else None
     try:
         return manifest is not None and "txt" in json.loads(manifest.read_text()).get("members", [])
@@ -330,8 +354,8 @@ def _keys_by_kind(tag: str, *variants) -> dict[str, set[str]]:
 
 # Sections with variants: the key that tells them apart, its default, and the keys each kind takes.
 VARIANTS = {
-    "data": ("source", "mnist5k", _keys_by_kind("source", Mnist5kData, FashionMnistData, FolderData, EmojiData,
-                                                 NpzData, ShardsData, GMMData)),
+    "data": ("source", "mnist5k", _keys_by_kind("source", Mnist5kData, FashionMnistData, FolderData, HfData,
+                                                 EmojiData, NpzData, ShardsData, GMMData)),
     "model": ("arch", "unet", _keys_by_kind("arch", UNetModel, DiTModel, MLPModel, RouterModel, AutoencoderKLModel,
                                              DiffusersModel)),
     "flow": ("path", "rectified_flow", _keys_by_kind("path", ContinuousFlow, DiscreteFlow)),

@@ -13,6 +13,7 @@ Sources:
     npz            an .npz/.npy array file (images or vectors)
     emoji          the Noto Color Emoji font's emoji, labelled by group, with captions (islands/data/emoji.py)
     shards         webdataset tar shards written by `islands shard` (islands/data/shards.py)
+    hf             a Hugging Face dataset on disk: save_to_disk's folder or parquet files (islands/data/hf.py)
 
 Every unreadable or corrupt input raises DataError with a one-line message
 that names the file and what is wrong.
@@ -344,26 +345,12 @@ class ImageFolder(Source):
 
     def load(self, i):
         """Decode, resize (shorter side) and centre-crop one image -> uint8 (C, R, R)."""
-        path, r = self.files[i], self.resolution
+        path = self.files[i]
         try:
             with Image.open(path) as img:
-                img = ImageOps.exif_transpose(img)  # phone photos store rotation in EXIF
-                if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
-                    # what lies under a transparent pixel is arbitrary (often black): show the background instead
-                    canvas = Image.new("RGBA", img.size, (self.background,) * 3 + (255,))
-                    img = Image.alpha_composite(canvas, img.convert("RGBA"))
-                img = img.convert("L" if self.channels == 1 else "RGB")
+                return fitted(img, self.resolution, self.channels, self.background)
         except Exception as e:  # decoders of damaged files raise all sorts of things
             raise _corrupt(path, e) from None
-        w, h = img.size
-        scale = r / min(w, h)
-        nw, nh = max(r, round(w * scale)), max(r, round(h * scale))
-        if (nw, nh) != (w, h):
-            img = img.resize((nw, nh), Image.BICUBIC)
-        left, top = (nw - r) // 2, (nh - r) // 2
-        img = img.crop((left, top, left + r, top + r))
-        a = np.asarray(img, dtype=np.uint8)
-        return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
     def get(self, indices):
         idx = np.asarray(indices, dtype=np.int64)
@@ -390,6 +377,27 @@ class ImageFolder(Source):
                     img.verify()
             except Exception as e:
                 raise _corrupt(path, e) from None
+
+
+def fitted(img: Image.Image, r: int, channels: int, background: int) -> np.ndarray:
+    """An opened image as every image source trains on it -> uint8 (C, r, r): turned by its EXIF rotation, its
+    transparency composited onto the grey level `background`, in `channels` (1: L, 3: RGB), its shorter side resized
+    (bicubic) to `r`, then centre-cropped. Pillow decodes here: a damaged file raises whatever its decoder raises."""
+    img = ImageOps.exif_transpose(img)  # phone photos store rotation in EXIF
+    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
+        # what lies under a transparent pixel is arbitrary (often black): show the background instead
+        canvas = Image.new("RGBA", img.size, (background,) * 3 + (255,))
+        img = Image.alpha_composite(canvas, img.convert("RGBA"))
+    img = img.convert("L" if channels == 1 else "RGB")
+    w, h = img.size
+    scale = r / min(w, h)
+    nw, nh = max(r, round(w * scale)), max(r, round(h * scale))
+    if (nw, nh) != (w, h):
+        img = img.resize((nw, nh), Image.BICUBIC)
+    left, top = (nw - r) // 2, (nh - r) // 2
+    img = img.crop((left, top, left + r, top + r))
+    a = np.asarray(img, dtype=np.uint8)
+    return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
 
 def folder_captions(root: str, files: list[str], caption_key: str = "text",
@@ -569,8 +577,12 @@ def build_source(name, **options):
         from islands.data.emoji import EmojiSource
 
         source = EmojiSource(**options)
+    elif name == "hf":  # its own module: a Hugging Face dataset's tables, and `datasets` an optional extra
+        from islands.data.hf import HfSource
+
+        source = HfSource(**options)
     elif name not in SOURCES:
-        raise ValueError(f"unknown data source {name!r}; choose from {', '.join([*SOURCES, 'emoji', 'shards'])}")
+        raise ValueError(f"unknown data source {name!r}; choose from {', '.join([*SOURCES, 'emoji', 'shards', 'hf'])}")
     else:
         source = SOURCES[name](**options)
     source.options = (name, *sorted(options.items()))
