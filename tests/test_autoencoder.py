@@ -32,10 +32,16 @@ def saved_vae(folder, seed: int = 0, **config):
     return vae
 
 
+def folder_digest(folder, names) -> str:
+    """What a run records of a folder it reads, by hand: the sha256 of the list of [name, sha256 of the file]."""
+    listing = [[name, hashlib.sha256((folder / name).read_bytes()).hexdigest()] for name in sorted(names)]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
 def test_a_saved_autoencoder_reloads_offline_with_the_same_encoder_and_decoder(tmp_path):
     vae = saved_vae(tmp_path / "vae", scaling_factor=1.5, shift_factor=0.25)
     loaded = load_autoencoder(tmp_path / "vae")
-    assert loaded.sha256 == hashlib.sha256((tmp_path / "vae" / WEIGHTS).read_bytes()).hexdigest()
+    assert loaded.sha256 == folder_digest(tmp_path / "vae", ["config.json", WEIGHTS])
     x = torch.rand(3, 1, 8, 8) * 2 - 1
     q = loaded.encode(x)
     with torch.no_grad():
@@ -58,7 +64,8 @@ def test_an_autoencoder_whose_weights_changed_since_the_run_recorded_them_is_ref
     recorded = load_autoencoder(tmp_path / "vae").sha256
     assert load_autoencoder(tmp_path / "vae", sha256=recorded).sha256 == recorded
     saved_vae(tmp_path / "vae", seed=1)  # other weights of the same shapes, as a retrained VAE
-    with pytest.raises(DataError, match=f"{WEIGHTS} changed since the run recorded it") as err:
+    with pytest.raises(DataError, match=f"changed since the run recorded it: its config.json and {WEIGHTS} hash to"
+                       ) as err:
         load_autoencoder(tmp_path / "vae", sha256=recorded)
     assert "\n" not in str(err.value)
 

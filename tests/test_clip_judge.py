@@ -1,7 +1,6 @@
 """A user's CLIP folder as the prompt judge: loaded offline as untrusted input, its embeddings CLIP's own, and the
 CLIP score what prompt following reports."""
 
-import hashlib
 import json
 import shutil
 import socket
@@ -12,7 +11,7 @@ import pytest
 import torch
 import transformers
 from PIL import Image
-from test_text_encoder import _json, _link_out
+from test_text_encoder import _json, _link_out, folder_digest
 
 from islands.errors import DataError
 from islands.eval import clip_judge
@@ -103,7 +102,7 @@ def test_the_judge_loads_offline_and_embeds_as_clip_does(folder, tmp_path, monke
     assert type(transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)) is type(tokenizer)
     monkeypatch.setattr(clip_judge, "BATCH", 2)  # several batches, captions padded to different lengths
     judge = load_clip_judge(folder)
-    sha256 = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    sha256 = folder_digest(folder, [p.name for p in folder.iterdir()])  # every file it holds is read
     assert judge.sha256 == sha256 and sha256[:16] in judge.name and judge.clip_score
 
     rng = np.random.default_rng(0)

@@ -3,7 +3,6 @@ what the diffusers model computes when called by hand with its own timestep scal
 resumes bit-identically, over 2 ranks as in 1 process, and starts from a pretrained folder read as untrusted. Experts
 of every class join ensembles in tests/test_export_ddm.py (`ensemble_of`), sampled there under every routing."""
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 import yaml
 from conftest import emoji_or_skip, tiny_unet_config, write_config
 from safetensors.torch import save_file
+from test_autoencoder import folder_digest
 
 from islands.cli import main
 from islands.config import DIFFUSERS_CLASSES, validate
@@ -191,8 +191,8 @@ def test_a_run_starts_from_a_pretrained_folder(tmp_path, image_npz, capsys):
 
     assert main(["train", write_config(tmp_path / "run.yaml", cfg), "--quiet"]) == 0
     record = json.loads((tmp_path / "run" / "pretrained.json").read_text())  # what it started from, by hash
-    digest = hashlib.sha256((tmp_path / "pretrained" / "diffusion_pytorch_model.safetensors").read_bytes())
-    assert record == {"pretrained": str(tmp_path / "pretrained"), "sha256": digest.hexdigest()}
+    digest = folder_digest(tmp_path / "pretrained", ["config.json", "diffusion_pytorch_model.safetensors"])
+    assert record == {"pretrained": str(tmp_path / "pretrained"), "sha256": digest}
     trained = load_weights(latest_checkpoint(tmp_path / "run") / "model.safetensors")
     net.load_state_dict(trained)
     started = net.diffusers_state_dict()  # a step of 1e-9 from the folder's weights
@@ -223,9 +223,12 @@ def test_a_pretrained_folder_that_is_not_a_safetensors_denoiser_is_refused_in_on
         cfg["model"]["config"] = {k: v for k, v in config.items() if not k.startswith("_")}
     assert main(["train", write_config(tmp_path / "run.yaml", cfg), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "model.pretrained: diffusers folder" in err, err
+    # a config resolved before the folder changed no longer says what the folder says: refused where it is read
+    where = "model.config: a pretrained network's config" if damage == "config" else "model.pretrained: diffusers"
+    assert len(err.splitlines()) == 1 and where in err, err
     assert {"class": "'AutoencoderKL', not one of", "pickle": "pickled weights only", "missing": "is missing",
-            "config": "gives sample_size 16", "weights": "do not fit the UNet2DModel: no conv_out.bias"}[damage] in err
+            "config": "is its folder's config.json", "weights": "config.json implies more than the 45,128 parameters "
+            "its weights hold"}[damage] in err
 
 
 def follows_the_single_process(cfg: dict, tmp_path, *strategy: str) -> None:

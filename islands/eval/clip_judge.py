@@ -113,7 +113,7 @@ def _named_clip():
 
 
 def load_clip_judge(folder: str | Path, device="cpu") -> ClipJudge:
-    """The CLIP model in `folder` as a prompt judge; its `name` carries the weights' sha256."""
+    """The CLIP model in `folder` as a prompt judge; its `name` carries the digest of its files."""
     with _named_clip():
         checked = check_folder(folder, _clip_architecture)
         mean, std = _normalisation(checked.path, checked.read(PREPROCESSOR))

@@ -61,8 +61,8 @@ class Autoencoder(ABC):
 
 
 class DiffusersAutoencoder(Autoencoder):
-    """A diffusers `AutoencoderKL` in eval mode, without gradients. `sha256` is that of the weights it was loaded
-    from (None for one built in memory)."""
+    """A diffusers `AutoencoderKL` in eval mode, without gradients. `sha256` is the digest of the files it was loaded
+    from, its config and weights (islands/nets/vae_folder.py; None for one built in memory)."""
 
     def __init__(self, vae: nn.Module, sha256: str | None = None):
         self.vae, self.sha256 = vae.eval().requires_grad_(False), sha256

@@ -473,7 +473,8 @@ def build_diffusers(class_name: str, config: dict, shape: tuple, num_classes: in
 
 def load_pretrained(net: DiffusersNetwork, folder: str) -> str:
     """Put the weights of the diffusers folder `folder` (read as untrusted: islands/nets/vae_folder.py) into `net`,
-    whose class and constructor arguments must be the folder's; the weights' sha256, for the run to record."""
+    whose class and constructor arguments must be the folder's; the digest of the files read (its config and weights:
+    vae_folder.listing_sha256), for the run to record."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 

@@ -29,7 +29,8 @@ class TextEmbedding:
 
 class TextEncoder(ABC):
     """What a text-conditioned run needs of a text encoder. Deterministic: the same captions give the same tensors.
-    `sha256` is that of the weights it was loaded from, for a run to record and check on every load."""
+    `sha256` is the digest of the files it was loaded from (config, weights, tokenizer, pooling: text_folder.py),
+    for a run to record and check on every load."""
 
     width: int  # of a per-token state
     pooled_width: int

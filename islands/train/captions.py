@@ -4,8 +4,9 @@ source hands the loader in place of a label. Training never runs the text encode
 run starts (or read from the cache, keyed on the encoder's weights, the token count and every caption), so a caption's
 embedding is the same at every step and after a resume. Captions longer than `model.text_tokens` tokens are cut.
 
-The run records the encoder (RUN/text_encoder.json: its name and weights' sha256) and every later start and every
-prompt it samples from is encoded by those weights or refused.
+The run records the encoder (RUN/text_encoder.json: its name and the digest of every file it is read from, its
+config and tokenizer as well as its weights: text_folder.py) and every later start and every prompt it samples from
+is encoded by that same encoder or refused.
 """
 
 import hashlib
@@ -41,7 +42,7 @@ def encode_captions(encoder: TextEncoder, captions: list[str], tokens: int, prog
 
 
 def caption_table(source: Source, encoder: TextEncoder, tokens: int, progress: bool = False) -> torch.Tensor:
-    """Every caption of `source` encoded, read from the cache where the same encoder (by its weights' sha256) encoded
+    """Every caption of `source` encoded, read from the cache where the same encoder (by its files' digest) encoded
     the same captions at the same token count before."""
     captions = source.captions(range(len(source)))
     key = hashlib.sha256(json.dumps([encoder.sha256, tokens, captions]).encode()).hexdigest()
@@ -57,7 +58,7 @@ def caption_table(source: Source, encoder: TextEncoder, tokens: int, progress: b
 
 
 def recorded_text_encoder(run_dir: Path) -> str | None:
-    """The sha256 of the text encoder's weights a run trained with (RUN/text_encoder.json), None without one."""
+    """The digest of the text encoder's files a run trained with (RUN/text_encoder.json), None without one."""
     return recorded_weights(run_dir, RECORD)
 
 
@@ -106,7 +107,7 @@ def _check_stored(cfg, run_dir: Path, stored: dict) -> str:
 
 
 def record_text_encoder(cfg, run_dir: Path, source: Source) -> None:
-    """RUN/text_encoder.json for a text-conditioned run: the encoder it names and its weights' sha256."""
+    """RUN/text_encoder.json for a text-conditioned run: the encoder it names and its files' digest."""
     if isinstance(source, WithConditions):
         record = {"text_encoder": cfg.data.text_encoder, "sha256": source.made_by}
         atomic_write_text(Path(run_dir) / RECORD, json.dumps(record, indent=1))

@@ -7,7 +7,8 @@ latent is not the latent of the flipped image, so the flip is encoded, not appli
 exactly what the encoder returned: a run samples its latent from them with the noise of its stream position, as the
 on-the-fly latent stage does, and float16 would move the mean by up to 2^-11 of itself and the standard deviation,
 exp(logvar / 2), by as much again (logvar reaches -30..20), for half the bytes. The manifest says which autoencoder
-made them (its weights' sha256, scale, shift) and the latents' shape; a run refuses another autoencoder.
+made them (the digest of its config and weights, its scale and shift) and the latents' shape; a run refuses another
+autoencoder.
 """
 
 import io

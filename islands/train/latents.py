@@ -5,8 +5,9 @@ run samples is decoded before it becomes pictures, samples.npz or metrics (`Samp
 Example n's latent is drawn from its posterior with noise keyed on (seed, n, "latent"), so a resumed run encodes
 every example to the same latent; then z = (latent - shift) * scale, the autoencoder's own convention, without
 clamping (latents are not in [-1, 1]); only decoded images are clamped to the data range. The run records the
-weights' sha256 in RUN/autoencoder.json when it starts, and every later start, sample or evaluation of the run
-refuses a folder whose weights no longer hash to it.
+digest of the autoencoder's files (its config.json as well as its weights: the scale, shift and activations that give
+the weights their meaning) in RUN/autoencoder.json when it starts, and every later start, sample or evaluation of the
+run refuses a folder whose files no longer hash to it.
 
 On shards of precomputed latents (`islands encode`, islands/train/encode.py) the stage is `StoredLatents`: the
 examples are the stored posteriors, and example n's latent is the same draw from the same posterior (the flipped
@@ -151,13 +152,13 @@ def stored_latents(cfg) -> dict | None:
 
 
 def recorded_sha256(run_dir: Path) -> str | None:
-    """The sha256 of the autoencoder weights a run trained on (RUN/autoencoder.json), None for a run on pixels."""
+    """The digest of the autoencoder's files a run trained on (RUN/autoencoder.json), None for a run on pixels."""
     return recorded_weights(run_dir, RECORD)
 
 
 def open_data_space(cfg, run_dir: Path, device="cpu", starting: bool = False, sha256: str | None = None) -> DataSpace:
-    """The space the run's network works in: PIXELS, or with data.autoencoder its latent stage, the weights checked
-    against the sha256 the run recorded (or `sha256`, what an ensemble's manifest recorded of its members). A run
+    """The space the run's network works in: PIXELS, or with data.autoencoder its latent stage, its files checked
+    against the digest the run recorded (or `sha256`, what an ensemble's manifest recorded of its members). A run
     `starting` is bound by its record only once it has a checkpoint: before that nothing was trained on the folder (a
     first attempt that failed binds nothing, as its config does not)."""
     folder, stored = cfg.data.autoencoder, stored_latents(cfg)
@@ -184,7 +185,7 @@ def open_data_space(cfg, run_dir: Path, device="cpu", starting: bool = False, sh
 
 
 def record_data_space(cfg, run_dir: Path, space: DataSpace) -> None:
-    """RUN/autoencoder.json for a latent stage: the folder and the sha256 of the weights the run trains on."""
+    """RUN/autoencoder.json for a latent stage: the folder and the digest of the files the run trains on."""
     if isinstance(space, LatentStage):
         atomic_write_text(Path(run_dir) / RECORD,
                           json.dumps({"folder": cfg.data.autoencoder, "sha256": space.autoencoder.sha256}, indent=1))
