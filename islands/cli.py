@@ -206,6 +206,35 @@ def _write_shards(args, autoencoder: str | None = None, text_encoder: str | None
         close_world()
 
 
+def _index(args) -> int:
+    from islands.data.tar_index import index_tars
+    from islands.parallel.launch import close_world, init_world
+
+    world = init_world()
+    try:
+        manifest = index_tars(args.tars, Path(args.out), args.caption_key, args.class_key, world.rank, world.size,
+                              world.barrier, progress=not args.quiet)
+    finally:
+        close_world()
+    if manifest is not None:
+        print(f"wrote {args.out}: {manifest['examples']} examples of {len(manifest['shards'])} tars indexed where they "
+              f"lie, {manifest['left_out_count']} left out (manifest.json)")
+    return 0
+
+
+def _verify(args) -> int:
+    from islands.data.tar_index import verify
+    from islands.errors import DataError
+
+    examples, bad = verify(Path(args.data), progress=not args.quiet)
+    for line in bad:
+        print(line)
+    if bad:
+        raise DataError(f"{args.data}: {len(bad)} of {examples} examples are bad (listed above); the first: {bad[0]}")
+    print(f"{args.data}: all {examples} examples good (every member's sha256 and every image checked)")
+    return 0
+
+
 def _ddm(args) -> int:
     from islands.ddm.pipeline import emit_scripts, run_ddm
 
@@ -475,6 +504,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-tokens", type=int, default=32, help="tokens a caption keeps (model.text_tokens; 32)")
     p.add_argument("--batch-size", type=int, default=64, help="images encoded at a time (default 64)")
     p.set_defaults(func=_encode)
+
+    p = sub.add_parser("index", help="index webdataset tars where they lie, for data.source: shards",
+                       description="Write an index per tar (each member's offset, size and sha256) and "
+                                   "OUT/manifest.json for tars as img2dataset, webdataset's ShardWriter, GNU tar of a "
+                                   "folder or 'islands shard' wrote them, copying no byte; a run reads them with "
+                                   "data.source=shards data.path=OUT data.resolution=R. Examples without an image that "
+                                   "decodes are left out and counted in the manifest. Under torchrun each rank indexes "
+                                   "every W-th tar.")
+    p.add_argument("tars", metavar="TARS", help="a folder of .tar files, a glob, or data-{000000..000099}.tar")
+    p.add_argument("out", metavar="OUT", help="the index folder to write (absent or empty)")
+    p.add_argument("--caption-key", help="read captions from this key of each example's .json (default: its .txt)")
+    p.add_argument("--class-key", help="read classes (integers) from this key of each example's .json (default: its "
+                   ".cls)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_index)
+
+    p = sub.add_parser("verify", help="read every example of a shard folder and check it",
+                       description="Read every member of every example of DATA (a folder 'islands index' or 'islands "
+                                   "shard' wrote), check it against its sha256 and decode its image: the whole pass a "
+                                   "run never makes before its first step. Lists the bad examples; exit 2 if any.")
+    p.add_argument("data", metavar="DATA", help="the folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_verify)
 
     p = sub.add_parser("ddm", help="partition, experts, router, samples and metrics of a decentralized model",
                        description="Run every step of a Decentralized Diffusion Model on this machine, skipping "

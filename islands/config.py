@@ -112,7 +112,16 @@ class NpzData(_Data):
 
 class ShardsData(_Data):
     source: Literal["shards"] = "shards"
-    path: str  # a folder written by `islands shard`
+    path: str  # a folder written by `islands shard`, or by `islands index` (tars indexed where they lie)
+    # indexed tars keep their images' own sizes: a run resizes (shorter side) and centre-crops them to `resolution`
+    # (required there) in `channels` (None: 3), onto `background` where transparent, as the folder source does;
+    # `islands shard`'s examples are read at their stored shape (leave both out)
+    resolution: int | None = Field(None, gt=0)
+    channels: Literal[1, 3] | None = None
+    background: int | None = Field(None, ge=0, le=255)
+    # a member that fails its sha256 or does not decode when read: stop the run naming it (exit 2), or replace the
+    # example by the next good one of the data set and count it (skipped_examples in metrics.jsonl)
+    on_error: Literal["stop", "skip"] = "stop"
 
 
 class GMMData(_Data):

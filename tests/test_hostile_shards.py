@@ -128,8 +128,8 @@ def test_a_class_out_of_range_is_refused_naming_the_shard_the_example_and_the_va
     says = f"shard {npz_shards}/shard-000002.tar: example 23 has class {value.decode()!r}, not one of the manifest's"
     with pytest.raises(DataError, match=re.escape(f"{says} 0..3")):
         shards.get([23])
-    with pytest.raises(DataError, match="example 23 has class"):  # and before a run's first step
-        shards.check()
+    shards.check()  # a run's start reads no tar (issue 36): the read above stops it, and islands verify finds it
+    assert [bad.startswith(says) for bad in shards.verify()] == [True]
 
 
 @pytest.mark.parametrize("offset, size", [(-512, None), (None, 1 << 40)])

@@ -204,9 +204,9 @@ def _cut(path: Path) -> None:
     os.truncate(path, path.stat().st_size - 512)
 
 
-def _flip_a_byte(path: Path) -> None:
+def _flip_a_byte(path: Path, at: int = 512) -> None:
     data = bytearray(path.read_bytes())
-    data[512] ^= 1  # the first member's data: its class, "0" become "1", the file's size unchanged
+    data[at] ^= 1  # by default the first member's data: its class, "0" become "1", the file's size unchanged
     path.write_bytes(bytes(data))
 
 
@@ -237,16 +237,21 @@ def test_damaged_shards_stop_a_run_before_its_first_step_with_one_line(tmp_path,
 
 
 def test_a_shard_changed_under_a_run_stops_its_resume_with_one_line(tmp_path, image_npz, npz_shards, capsys):
-    """The run trained on the shards, then a shard changed in place (its size and index the same): the resumed
-    run stops with one line naming the file, exit 2, its checkpoints untouched."""
+    """The run trained on the shards, then every shard changed in place (its size and index the same): the resumed
+    run, which reads no tar before its first step, stops at the first changed member it reads with one line naming
+    the file, exit 2, its checkpoints untouched."""
     config = write_config(tmp_path / "c.yaml", tiny_unet_config(
         tmp_path / "run", image_npz, data={"source": "shards", "path": str(npz_shards)},
         train={"images": 16, "checkpoint_every": 16, "sample_every": 0}))
     assert main(["train", config, "--quiet"]) == 0
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
-    _flip_a_byte(npz_shards / "shard-000002.tar")
+    for shard in range(7):
+        index = np.load(npz_shards / f"shard-{shard:06d}.idx.npy")
+        for row in range(len(index)):  # a bit of every example's PNG (its signature), the size unchanged
+            _flip_a_byte(npz_shards / f"shard-{shard:06d}.tar", int(index[row, 0, 0]))
     capsys.readouterr()
     assert main(["train", config, "train.images=32", "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"shard {npz_shards}/shard-000002.tar changed since it was written" in err
+    assert len(err.splitlines()) == 1 and f"shard {npz_shards}/shard-00000" in err
+    assert "changed since it was written: the png of example" in err, err
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == checkpoints

@@ -9,9 +9,10 @@ bytes changed is hashed again, whatever its size and modification time say. The 
 before its first step (`Source.check`) is remembered the same way.
 
 Keying on content costs one read of those files at every start (sha256 streams at about 1.5 GB/s a core: 0.02 s
-for Fashion-MNIST's 30 MB), far less than decoding them. Shards read from terabytes name only their manifest, indices
-and per-member sha256 files (a few dozen bytes an example): they check every member against its sha256 as they read
-it, so their tars need not be hashed to be trusted.
+for Fashion-MNIST's 30 MB), far less than decoding them. Shards read from terabytes (`islands shard`'s, or tars that
+`islands index` indexed where they lie) name only their manifest: it lists the sha256 of their indices and per-member
+sha256 files, checked when the source is built, and every member is checked against its sha256 as it is read, so
+their tars need not be hashed to be trusted, and a start reads none of their bytes.
 """
 
 import hashlib

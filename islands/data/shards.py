@@ -33,6 +33,7 @@ import json
 import math
 import os
 import tarfile
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +45,7 @@ from tqdm import tqdm
 
 from islands.data.sources import Source
 from islands.data.sources import _to_unit as to_unit
-from islands.errors import DataError
+from islands.errors import DataError, IslandsWarning
 from islands.rundir import building_folder, finish_building, refuse_foreign_building_folder, start_building
 from islands.untrusted import file_sha256, inside
 
@@ -227,17 +228,45 @@ def write_manifest(folder: Path, shards: list[dict], source: Source, shard_size:
 
 # --- reading --------------------------------------------------------------------------------------------------------
 
-class ShardSource(Source):
-    """The examples of a shard folder (`islands shard`), read by seek through the index. Missing or truncated
-    shards, files that lead out of the folder and a manifest that is not a shard folder's are refused when it is
-    built; every member read is checked against its sha256; `check` also hashes every file against the manifest (a
-    shard changed since it was written, or a manifest of other data)."""
+class BadMember(DataError):
+    """A member read that is not what its index says (its sha256 differs, it is cut short, it does not decode, its
+    class is out of range): the example it belongs to is bad. `data.on_error` decides: stop the run, or skip it."""
 
-    def __init__(self, path):
+
+SKIP_SLOTS = 64  # counters of skipped examples shared by a source's processes: the main one and its loader workers
+SKIP_WARNINGS = 10  # skipped examples a process names in a warning; after those, metrics.jsonl counts them
+GAP = 1 << 20  # members of one example further apart than this are read one by one (a GNU tar of a folder)
+
+
+class ShardSource(Source):
+    """The examples of a shard folder (`islands shard`), read by seek through the index; a folder that `islands
+    index` wrote (tars indexed where they lie) is read by its subclass, data/tar_index.py's `IndexedTars`. Missing or
+    truncated shards, files that lead out of the folder, indices and member sha256 files that are not the ones the
+    manifest lists, and a manifest that is not a shard folder's are refused when it is built; every member read is
+    checked against its sha256. Nothing of the tars is read at the start: the indices are memory-mapped, not loaded,
+    so a process (a loader worker too) holds no per-example array of its own. `data.on_error: skip` replaces a bad
+    example by the next good one of the data set (a function of its index alone, so a resumed run replaces the
+    same ones), counting it (`skipped_examples`)."""
+
+    remedy = "write the shards again with 'islands shard'"
+
+    def __new__(cls, path=None, *args, **options):
+        if cls is ShardSource and path is not None:
+            from islands.data.tar_index import TARS_FORMAT, IndexedTars
+
+            if _format_of(Path(path)) == TARS_FORMAT:  # a folder `islands index` wrote
+                cls = IndexedTars
+        return super().__new__(cls)
+
+    def __init__(self, path, resolution=None, channels=None, background=None, on_error="stop"):
         self.root = Path(path)
-        self.manifest = read_manifest(self.root)
+        self.manifest = _own_manifest(self.root)
         m = self.manifest
         self.shape, self.num_classes, self.flip = tuple(m["shape"]), m["num_classes"], m["flip"]
+        if resolution is not None and tuple(self.shape[1:]) != (resolution, resolution) or \
+                channels is not None and self.shape[0] != channels:
+            raise DataError(f"shard folder {self.root} holds examples of shape {self.shape} as 'islands shard' wrote "
+                            "them: leave data.resolution and data.channels out (only indexed tars are resized)")
         self.member, self.quantised = m["x"], m["x"] == "png"
         # the columns of the index read: the example's arrays (one, or a latent's mean and log-variance, of the image
         # and of its flip: stacked along the channels, as `islands encode` wrote them), then its class's
@@ -245,29 +274,45 @@ class ShardSource(Source):
         self.captioned = "txt" in m["members"]
         # `islands encode --text-encoder`: each caption's packed embedding, a condition read apart from the example
         self.stored_captions = m.get("caption_embeddings")
-        self.columns = [*self.arrays, *([m["members"].index("cls")] if self.num_classes else [])]
         self.member_shape = (self.shape[0] // len(self.arrays), *self.shape[1:])
         self.tars = [self._file_named(s["tar"]) for s in m["shards"]]
         self.index_files = [self._file_named(s["index"]) for s in m["shards"]]
         self.checked_per_member = m["format"] == FORMAT
         self.digest_files = [self._file_named(s["digests"]) for s in m["shards"]] if self.checked_per_member else []
-        self.starts = np.cumsum([0] + [s["examples"] for s in m["shards"]])
-        self._remember_by_content()
         for tar, index, entry in zip(self.tars, self.index_files, m["shards"], strict=True):
             _check_size(tar, index, entry)
-        self._indices, self._files, self._pid = {}, OrderedDict(), os.getpid()
+        self._ready(on_error)
+
+    def _ready(self, on_error: str) -> None:
+        """What every kind of shard folder does once its files are named: the per-process state, the skip counter,
+        and the indices and member sha256 files checked against the manifest (each streamed once, here, in the
+        process that builds the source; its loader workers inherit the check and memory-map them)."""
+        if on_error not in ("stop", "skip"):
+            raise ValueError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
+        m = self.manifest
+        self.on_error = on_error
+        self.columns = [*self.arrays, *([m["members"].index("cls")] if self.num_classes else [])]
+        # an example is bad when any of these fails: its arrays, its class, its caption
+        self.checked_columns = [*self.columns, *([m["members"].index("txt")] if self.captioned else [])]
+        self.starts = np.cumsum([0] + [s["examples"] for s in m["shards"]])
+        self._indices, self._files, self._pid, self._warned = {}, OrderedDict(), os.getpid(), 0
+        self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_() if on_error == "skip" else None
+        for shard in range(len(self.tars)):
+            self._check_listed(shard)
+        self._remember_by_content()
 
     def _file_named(self, name: str) -> Path:
         return inside(self.root, name, "shard folder")
 
     def _remember_by_content(self) -> None:
         """What data/fingerprint.py keys its memory of this source on (the sha256 of `read_from`, the size and mtime
-        of `checked_when_read`). Every member read is checked against the sha256 files, so those, the indices and the
-        manifest are the content; the tars' size and mtime only make an honest change be found at the start. A
-        folder without member sha256 (format /1) is keyed on its tars' content too: hashed whole at every start."""
+        of `checked_when_read`). The manifest lists the sha256 of every index and member sha256 file, checked when
+        the source is built, and every member read is checked against those: the manifest alone is the content, and
+        the tars' size and mtime only make an honest change be found at the start. A folder without member sha256
+        (format /1) is keyed on its tars' content too: hashed whole at every start."""
         manifest = self.root / MANIFEST
         if self.checked_per_member:
-            self.read_from = (manifest, *self.index_files, *self.digest_files)
+            self.read_from = (manifest,)
             self.checked_when_read = tuple(self.tars)
         else:
             self.read_from = (manifest, *self.tars, *self.index_files)
@@ -276,8 +321,13 @@ class ShardSource(Source):
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def __getstate__(self):  # a worker started by spawn opens its own files
-        return {**self.__dict__, "_files": OrderedDict()}
+    def __getstate__(self):  # a worker started by spawn opens and maps its own files
+        return {**self.__dict__, "_files": OrderedDict(), "_indices": {}}
+
+    @property
+    def skipped_examples(self) -> int | None:
+        """Examples this source's processes replaced under `on_error: skip` (None: it stops instead)."""
+        return None if self._skipped is None else int(self._skipped.sum())
 
     def _locate(self, indices) -> tuple[np.ndarray, np.ndarray]:
         """-> the shard of each example and its row in it."""
@@ -292,21 +342,45 @@ class ShardSource(Source):
         return f"example {int(self.starts[shard]) + row}"
 
     def get(self, indices):
-        shard, rows = self._locate(indices)
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        shard, rows = self._locate(idx)
         examples, labels = [None] * len(rows), np.zeros(len(rows), dtype=np.int64)
         for i in np.lexsort((rows, shard)):  # in file order: each shard read front to back
-            examples[i], labels[i] = self._read(int(shard[i]), int(rows[i]))
+            examples[i], labels[i] = self._good(int(idx[i]), lambda s, r: self._read(s, r), count=True)
         if not examples:
             return torch.zeros((0, *self.shape)), (torch.zeros(0, dtype=torch.int64) if self.num_classes else None)
         x = torch.from_numpy(np.stack(examples))
         return (to_unit(x) if self.quantised else x), (torch.from_numpy(labels) if self.num_classes else None)
+
+    def _good(self, index: int, read, count: bool = False):
+        """read(shard, row) of example `index`; under `on_error: skip`, of the first example from `index` on (the
+        data set read round) whose members are good, so that what replaces a bad example is a function of its index
+        alone. `count`: this read is the example's (get's), counted and warned of once per read."""
+        for step in range(len(self) if self.on_error == "skip" else 1):
+            shard, row = (int(v[0]) for v in self._locate([(index + step) % len(self)]))
+            try:
+                return read(shard, row)
+            except BadMember as bad:
+                if self.on_error == "stop":
+                    raise
+                if count and step == 0:
+                    self._count_skip(bad)
+        raise DataError(f"shard folder {self.root}: no example is good (data.on_error skip found none to read)")
+
+    def _count_skip(self, bad: BadMember) -> None:
+        info = torch.utils.data.get_worker_info()
+        self._skipped[0 if info is None else 1 + info.id % (SKIP_SLOTS - 1)] += 1
+        self._warned += 1
+        if self._warned <= SKIP_WARNINGS:
+            warnings.warn(f"skipped (data.on_error skip): {bad}" + ("; further skips are counted in metrics.jsonl "
+                          "(skipped_examples)" if self._warned == SKIP_WARNINGS else ""), IslandsWarning, stacklevel=2)
 
     def captions(self, indices) -> list[str]:
         if not self.captioned:
             raise DataError(f"shard folder {self.root} holds no captions: its examples have no 'txt' member (members: "
                             f"{', '.join(self.manifest['members'])}); shard a captioned source (data.source emoji)")
         column = self.manifest["members"].index("txt")
-        return [self._caption(int(s), int(r), column) for s, r in zip(*self._locate(indices), strict=True)]
+        return [self._good(int(i), lambda s, r: self._caption(s, r, column)) for i in np.asarray(indices).reshape(-1)]
 
     def caption_embeddings(self, indices) -> torch.Tensor:
         """The examples' caption embeddings as `islands encode --text-encoder` stored them (packed, float32)."""
@@ -315,36 +389,58 @@ class ShardSource(Source):
                             "them with islands encode --text-encoder")
         column = self.manifest["members"].index(CAPTION)
         shape = tuple(self.stored_captions["shape"])
-        arrays = []
-        for s, r in zip(*self._locate(indices), strict=True):
-            blob = self._member(int(s), int(r), column)
-            try:
-                a = np.load(io.BytesIO(blob), allow_pickle=False)
-            except Exception as e:  # damaged bytes
-                raise DataError(f"shard {self.tars[int(s)]}: the caption embedding of {self._example(int(s), int(r))} "
-                                f"cannot be decoded: {e}") from None
-            if a.shape != shape or a.dtype != np.float32:
-                raise DataError(f"shard {self.tars[int(s)]}: the caption embedding of {self._example(int(s), int(r))} "
-                                f"is {a.dtype} {a.shape}, the manifest says {shape}")
-            arrays.append(a)
+        arrays = [self._good(int(i), lambda s, r: self._caption_embedding(s, r, column, shape))
+                  for i in np.asarray(indices).reshape(-1)]
         return torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros((0, *shape))
 
+    def _caption_embedding(self, shard: int, row: int, column: int, shape: tuple) -> np.ndarray:
+        self._check_members(shard, row)
+        blob = self._member(shard, row, column)
+        try:
+            a = np.load(io.BytesIO(blob), allow_pickle=False)
+        except Exception as e:  # damaged bytes
+            raise BadMember(f"shard {self.tars[shard]}: the caption embedding of {self._example(shard, row)} cannot "
+                            f"be decoded: {e}") from None
+        if a.shape != shape or a.dtype != np.float32:
+            raise BadMember(f"shard {self.tars[shard]}: the caption embedding of {self._example(shard, row)} is "
+                            f"{a.dtype} {a.shape}, the manifest says {shape}")
+        return a
+
+    def _check_members(self, shard: int, row: int) -> None:
+        """Under `on_error: skip`, a caption is read only with its example's members checked (their sha256, not
+        decoded), so that a bad example's caption is replaced by the same example's as its pixels are."""
+        if self.on_error == "skip":
+            self._members(shard, row, self.checked_columns)
+
     def _caption(self, shard: int, row: int, column: int) -> str:
+        self._check_members(shard, row)
         try:
             return self._member(shard, row, column).decode()
         except UnicodeDecodeError as e:
-            raise DataError(f"shard {self.tars[shard]}: the caption of {self._example(shard, row)} cannot be read: "
+            raise BadMember(f"shard {self.tars[shard]}: the caption of {self._example(shard, row)} cannot be read: "
                             f"{e}") from None
 
     def _member(self, shard: int, row: int, column: int) -> bytes:
         """One member's data, whole and checked against its sha256."""
-        at, size = (int(v) for v in self._index(shard)[0][row, column])
-        return self._checked(shard, row, column, self._pread(shard, row, at, at + size))
+        return self._members(shard, row, [column])[0]
+
+    def _members(self, shard: int, row: int, columns: list[int]) -> list[bytes]:
+        """The data of an example's members, each checked against its sha256: one read where they lie together (as
+        webdataset writes them), one each where they do not (a GNU tar of a folder)."""
+        where = np.asarray(self._index(shard)[0][row, columns])
+        self._check_row(shard, row, columns, where)
+        first, end = int(where[:, 0].min()), int((where[:, 0] + where[:, 1]).max())
+        if end - first <= int(where[:, 1].sum()) + GAP:
+            data = self._pread(shard, row, first, end)
+            blobs = [data[at - first:at - first + size] for at, size in where.tolist()]
+        else:
+            blobs = [self._pread(shard, row, at, at + size) for at, size in where.tolist()]
+        return [self._checked(shard, row, column, blob) for column, blob in zip(columns, blobs, strict=True)]
 
     def _pread(self, shard: int, row: int, first: int, end: int) -> bytes:
         data = os.pread(self._file(shard), end - first, first)
         if len(data) != end - first:
-            raise DataError(f"truncated shard {self.tars[shard]}: {self._example(shard, row)} ends at byte {end}, the "
+            raise BadMember(f"truncated shard {self.tars[shard]}: {self._example(shard, row)} ends at byte {end}, the "
                             f"file has {os.fstat(self._file(shard)).st_size}")
         return data
 
@@ -353,20 +449,19 @@ class ShardSource(Source):
         none: its tars were hashed whole when the run started)."""
         digests = self._index(shard)[1]
         if digests is not None and hashlib.sha256(blob).digest() != digests[row, column].tobytes():
-            raise DataError(f"shard {self.tars[shard]} changed since it was written: the "
-                            f"{self.manifest['members'][column]} of {self._example(shard, row)} is not the bytes "
-                            f"{self.digest_files[shard].name} records; write the shards again with 'islands shard'")
+            raise BadMember(self._changed(shard, row, column))
         return blob
 
+    def _changed(self, shard: int, row: int, column: int) -> str:
+        return (f"shard {self.tars[shard]} changed since it was written: the {self.manifest['members'][column]} of "
+                f"{self._example(shard, row)} is not the bytes {self.digest_files[shard].name} records; "
+                f"{self.remedy}")
+
     def _read(self, shard: int, row: int) -> tuple[np.ndarray, int]:
-        where = self._index(shard)[0][row, self.columns]
-        first, end = int(where[:, 0].min()), int((where[:, 0] + where[:, 1]).max())  # an example's members lie together
-        data = self._pread(shard, row, first, end)
-        members = [self._checked(shard, row, column, data[at - first:at - first + size])
-                   for column, (at, size) in zip(self.columns, where, strict=True)]
+        members = self._members(shard, row, self.checked_columns)
         arrays = [self._decode(blob, shard, row) for blob in members[:len(self.arrays)]]
         x = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        return x, (self._class_of(members[-1], shard, row) if self.num_classes else -1)
+        return x, (self._class_of(members[len(self.arrays)], shard, row) if self.num_classes else -1)
 
     def _class_of(self, blob: bytes, shard: int, row: int) -> int:
         """The class a `cls` member names: ASCII digits of one of the manifest's classes. `num_classes` itself would be
@@ -374,7 +469,7 @@ class ShardSource(Source):
         if blob.isdigit() and len(blob) <= len(str(MAX_CLASSES)) and int(blob) < self.num_classes:
             return int(blob)
         shown = blob[:20].decode("ascii", "backslashreplace")
-        raise DataError(f"shard {self.tars[shard]}: {self._example(shard, row)} has class {shown!r}, not one of the "
+        raise BadMember(f"shard {self.tars[shard]}: {self._example(shard, row)} has class {shown!r}, not one of the "
                         f"manifest's 0..{self.num_classes - 1}")
 
     def _decode(self, blob: bytes, shard: int, row: int) -> np.ndarray:
@@ -386,53 +481,66 @@ class ShardSource(Source):
             else:
                 a = np.load(io.BytesIO(blob), allow_pickle=False)
         except Exception as e:  # decoders of damaged bytes raise all sorts of things
-            raise DataError(f"shard {self.tars[shard]}: {self._example(shard, row)} cannot be decoded: {e}") from None
+            raise BadMember(f"shard {self.tars[shard]}: {self._example(shard, row)} cannot be decoded: {e}") from None
         if a.shape != self.member_shape or a.dtype != (np.uint8 if self.quantised else np.float32):
-            raise DataError(f"shard {self.tars[shard]}: {self._example(shard, row)} is {a.dtype} {a.shape}, the "
+            raise BadMember(f"shard {self.tars[shard]}: {self._example(shard, row)} is {a.dtype} {a.shape}, the "
                             f"manifest says {self.member_shape}")
         return a
 
+    def _check_listed(self, shard: int) -> None:
+        """The shard's index and member sha256 file are the ones the manifest lists (streamed through sha256, never
+        held whole) and of the shape it gives."""
+        entry, members = self.manifest["shards"][shard], len(self.manifest["members"])
+        _check_listed_file(self.index_files[shard], entry["index_sha256"], "shard index", self.remedy)
+        _check_array(self.index_files[shard], (entry["examples"], members, 2), np.int64, "shard index",
+                     f"does not index the {entry['examples']} examples the manifest gives {entry['tar']}")
+        if self.checked_per_member:
+            path = self.digest_files[shard]
+            _check_listed_file(path, entry["digests_sha256"], "shard sha256 file", self.remedy)
+            _check_array(path, (entry["examples"], members, 32), np.uint8, "shard sha256 file",
+                         f"does not hold a sha256 of each member of the {entry['examples']} examples of {entry['tar']}")
+
     def _index(self, shard: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """The shard's index and member sha256 (None for format /1), each checked against the manifest's sha256 of its
-        file, and the index's offsets checked to lie inside the tar."""
+        """The shard's index and member sha256 (None for format /1), memory-mapped in this process (checked against
+        the manifest where the source was built)."""
+        if os.getpid() != self._pid:
+            self._forked()
         if shard not in self._indices:
-            entry, members = self.manifest["shards"][shard], len(self.manifest["members"])
-            index = _array_listed(self.index_files[shard], entry["index_sha256"], "shard index")
-            if index.shape != (entry["examples"], members, 2) or index.dtype != np.int64:
-                raise DataError(f"shard index {self.index_files[shard]}: {index.dtype} {index.shape} does not index "
-                                f"the {entry['examples']} examples the manifest gives {entry['tar']}")
-            self._check_offsets(shard, index)
-            self._indices[shard] = index, self._digests(shard)
+            digests = np.load(self.digest_files[shard], mmap_mode="r") if self.checked_per_member else None
+            self._indices[shard] = np.load(self.index_files[shard], mmap_mode="r"), digests
         return self._indices[shard]
 
-    def _digests(self, shard: int) -> np.ndarray | None:
-        if not self.checked_per_member:
-            return None
-        entry, path = self.manifest["shards"][shard], self.digest_files[shard]
-        digests = _array_listed(path, entry["digests_sha256"], "shard sha256 file")
-        if digests.shape != (entry["examples"], len(self.manifest["members"]), 32) or digests.dtype != np.uint8:
-            raise DataError(f"shard sha256 file {path}: {digests.dtype} {digests.shape} does not hold a sha256 of "
-                            f"each member of the {entry['examples']} examples of {entry['tar']}")
-        return digests
+    def _check_row(self, shard: int, row: int, columns: list[int], where: np.ndarray) -> None:
+        """The members read lie inside the tar: a negative offset or a size past the end would be an OSError or a
+        read of terabytes."""
+        tar_bytes = self.manifest["shards"][shard]["bytes"]
+        for column, (at, size) in zip(columns, where.tolist(), strict=True):
+            if at < 0 or size < 0 or at > tar_bytes or size > tar_bytes - at:
+                raise DataError(f"shard index {self.index_files[shard]}: the {self.manifest['members'][column]} of "
+                                f"{self._example(shard, row)} is {size} bytes at byte {at}, outside the {tar_bytes} "
+                                f"bytes of {self.tars[shard].name}")
 
-    def _check_offsets(self, shard: int, index: np.ndarray) -> None:
-        """Every member lies inside the tar: a negative offset or a size past the end would be an OSError or a read
-        of terabytes."""
+    def _check_offsets(self, shard: int) -> None:
+        """Every member of the shard lies inside the tar (the whole index, memory-mapped, at once)."""
+        index = self._index(shard)[0]
         at, size, tar_bytes = index[..., 0], index[..., 1], self.manifest["shards"][shard]["bytes"]
         outside = (at < 0) | (size < 0) | (at > tar_bytes) | (size > tar_bytes - at)
         if outside.any():
             row, column = (int(v) for v in np.argwhere(outside)[0])
-            raise DataError(f"shard index {self.index_files[shard]}: the {self.manifest['members'][column]} of "
-                            f"{self._example(shard, row)} is {int(size[row, column])} bytes at byte "
-                            f"{int(at[row, column])}, outside the {tar_bytes} bytes of {self.tars[shard].name}")
+            self._check_row(shard, row, [column], np.asarray(index[row, [column]]))
+
+    def _forked(self) -> None:
+        """In a process forked from the one that opened them, its own descriptors and maps."""
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
+        self._indices = {}
+        self._pid = os.getpid()
 
     def _file(self, shard: int) -> int:
         """An open descriptor of the shard, this process's own (a forked loader worker opens its own)."""
         if os.getpid() != self._pid:
-            for fd in self._files.values():
-                os.close(fd)
-            self._files.clear()
-            self._pid = os.getpid()
+            self._forked()
         if shard in self._files:
             self._files.move_to_end(shard)
         else:
@@ -445,41 +553,84 @@ class ShardSource(Source):
         return self._files[shard]
 
     def check(self):
-        """Every shard hashed whole against the manifest, its index and member sha256 read and bounded, its classes
-        read, so that a damaged shard stops a run before its first step. data/fingerprint.py remembers the pass by
-        the content of `read_from`; a tar changed afterwards is still caught, at the read of its first changed
-        member."""
-        for i, (tar, index, entry) in enumerate(zip(self.tars, self.index_files, self.manifest["shards"],
-                                                    strict=True)):
-            _check_size(tar, index, entry)
-            self._index(i)
-            if file_sha256(tar) != entry["sha256"]:
-                raise DataError(f"shard {tar} changed since it was written, or the manifest is another data set's "
-                                f"(its sha256 is not the one {self.root / MANIFEST} lists); write the shards again "
-                                "with 'islands shard'")
-            self._check_classes(i)
+        """Every index's offsets bounded by its tar, so that a damaged index stops a run before its first step.
+        No byte of the tars is read (section 5 of issue 36): their members are checked as they are read, and
+        `islands verify` reads them all when a person asks. A folder of format /1 (no member sha256) has every
+        shard hashed whole and its classes read instead. data/fingerprint.py remembers the pass by the manifest."""
+        for i in range(len(self.tars)):
+            self._check_offsets(i)
+            if self.checked_per_member:
+                continue
+            entry = self.manifest["shards"][i]
+            if file_sha256(self.tars[i]) != entry["sha256"]:
+                raise DataError(f"shard {self.tars[i]} changed since it was written, or the manifest is another data "
+                                f"set's (its sha256 is not the one {self.root / MANIFEST} lists); {self.remedy}")
+            if self.num_classes:
+                column = self.manifest["members"].index("cls")
+                for row in range(entry["examples"]):
+                    self._class_of(self._member(i, row, column), i, row)
 
-    def _check_classes(self, shard: int) -> None:
-        """Every example's class is one of the manifest's (a class out of range would stop the run mid-way)."""
-        if self.num_classes:
-            column = self.manifest["members"].index("cls")
-            for row in range(self.manifest["shards"][shard]["examples"]):
-                self._class_of(self._member(shard, row, column), shard, row)
+    def verify(self, progress: bool = False) -> list[str]:
+        """The whole pass `islands verify` makes: every member of every example read, checked against its sha256 and
+        decoded. -> a line for each bad example (empty: every example good)."""
+        columns = list(range(len(self.manifest["members"])))
+        bad = []
+        with tqdm(total=len(self), disable=not progress, desc="verify", unit="ex") as bar:
+            for shard in range(len(self.tars)):
+                for row in range(self.manifest["shards"][shard]["examples"]):
+                    try:
+                        self._verify_example(shard, row, columns)
+                    except BadMember as e:
+                        bad.append(str(e))
+                    bar.update(1)
+        return bad
+
+    def _verify_example(self, shard: int, row: int, columns: list[int]) -> None:
+        self._members(shard, row, columns)
+        self._read(shard, row)
+        if self.captioned:
+            self._caption(shard, row, self.manifest["members"].index("txt"))
 
 
-def _array_listed(path: Path, sha256: str, what: str) -> np.ndarray:
-    """The array in `path`, read once and parsed only once its bytes are the ones the manifest lists."""
+def skipped_examples(source: Source) -> int | None:
+    """How many examples the shard folder under `source` (seen through any wrappers: a partition's cluster, stored
+    conditions, latents) replaced under `data.on_error: skip` in this process and its loader workers; None where
+    nothing is skipped (other data, or `on_error: stop`)."""
+    while source is not None:
+        if isinstance(source, ShardSource):
+            return source.skipped_examples
+        source = getattr(source, "source", None)
+    return None
+
+
+def _format_of(root: Path) -> str | None:
+    """The `format` a folder's manifest names, None where there is none to read (refused later, by name)."""
     try:
-        data = path.read_bytes()
+        m = json.loads(inside(root, MANIFEST, "shard folder").read_text())
+    except (OSError, UnicodeDecodeError, ValueError, DataError):
+        return None
+    return m.get("format") if isinstance(m, dict) and isinstance(m.get("format"), str) else None
+
+
+def _check_listed_file(path: Path, sha256: str, what: str, remedy: str) -> None:
+    """The file is the one the manifest lists: streamed through sha256, never held whole."""
+    try:
+        found = file_sha256(path)
     except OSError as e:
         raise DataError(f"{what} {path}: cannot read: {e.strerror or e}") from None
-    if hashlib.sha256(data).hexdigest() != sha256:
+    if found != sha256:
         raise DataError(f"{what} {path} is not the one {path.parent / MANIFEST} lists: the manifest is another data "
-                        "set's, or the shards were written over; write them again with 'islands shard'")
+                        f"set's, or the files were written over; {remedy}")
+
+
+def _check_array(path: Path, shape: tuple, dtype, what: str, why: str) -> None:
+    """An .npy file's header: the shape and dtype the manifest implies (its data is mapped, never parsed)."""
     try:
-        return np.load(io.BytesIO(data), allow_pickle=False)
+        a = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as e:
         raise DataError(f"{what} {path}: cannot read: {e}") from None
+    if a.shape != shape or a.dtype != dtype:
+        raise DataError(f"{what} {path}: {a.dtype} {a.shape} {why}")
 
 
 def _check_index(index: Path, entry: dict) -> None:
@@ -517,8 +668,18 @@ EXAMPLE_MEMBERS = ("png", "x.npy", "latent.npy", "mean.npy")
 
 
 def read_manifest(root: Path) -> dict:
-    """The manifest of a shard folder, its structure and numbers checked and its whole hash recomputed; one line on
-    trouble."""
+    """The manifest of a shard folder, `islands shard`'s or `islands index`'s (data/tar_index.py), its structure and
+    numbers checked; one line on trouble."""
+    if _format_of(Path(root)) is not None:
+        from islands.data.tar_index import TARS_FORMAT, read_tars_manifest
+
+        if _format_of(Path(root)) == TARS_FORMAT:
+            return read_tars_manifest(Path(root))
+    return _own_manifest(root)
+
+
+def _own_manifest(root: Path) -> dict:
+    """The manifest `islands shard` wrote, its structure and numbers checked and its whole hash recomputed."""
     if not root.is_dir():
         raise DataError(f"shard folder {root} does not exist; write it with 'islands shard CONFIG {root}'")
     path = inside(root, MANIFEST, "shard folder")

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from islands.data import judged_on, streams
 from islands.data.batch import Batch
 from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
+from islands.data.shards import skipped_examples
 from islands.data.space import PIXELS
 from islands.eval.evaluate import Evaluator, evaluate_sampler
 from islands.generate import Sampler, run_sample_options
@@ -98,6 +99,8 @@ class MetricsLog(Reporter):
                   "skipped": step.progress.skipped}
         if self.parts.strategy.communicates:
             record["comm_bytes_per_step_per_rank"] = comm_per_step
+        if (skipped := skipped_examples(self.parts.source)) is not None:  # on_error skip: replaced so far, all ranks
+            record["skipped_examples"] = round(world.mean([skipped])[0] * world.size)
         if self.parts.main:
             self.logbook.write(record)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", img_s=f"{record['images_per_s']:.0f}")
