@@ -31,6 +31,7 @@ from islands.export import null_caption, own_model, scheduler_for, shipped_sourc
 from islands.nets import OWN_NETWORK_ARGUMENTS
 from islands.nets.diffusers_net import NULL_CAPTION
 from islands.nets.diffusers_wrapper import SHIPPED
+from islands.rundir import BUILDING_MARKER, finish_building, start_building
 from islands.untrusted import file_sha256
 
 INDEX = diffusers_pipeline.INDEX
@@ -77,9 +78,7 @@ def export_ensemble(root: Path, out: Path) -> Path:
     cfg = load_config(root / "config.yaml")
     _refuse_unless_exportable(root, manifest, cfg)
 
-    building = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(building, ignore_errors=True)  # a partial one left by an export that was killed
-    building.mkdir(parents=True)
+    building = start_building(out)  # one a killed export left is removed; a person's `.OUT.partial` refused
     experts = []
     for k, entry in enumerate(manifest["experts"]):
         arch, folder = entry["model"]["arch"], f"expert_{k}"
@@ -123,9 +122,7 @@ def export_ensemble(root: Path, out: Path) -> Path:
     index["sample"] = {"routing": DEFAULT_ROUTING, "steps": cfg.sample.steps, "guidance": cfg.sample.guidance,
                        "time_shift": cfg.sample.time_shift or 1.0}
     index["islands_config"] = yaml.safe_load((root / "config.yaml").read_text())
-    index["files"] = {str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*")) if p.is_file()}
+    index["files"] = {str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*"))
+                      if p.is_file() and p.name != BUILDING_MARKER}  # the marker leaves before the rename
     (building / INDEX).write_text(json.dumps(index, indent=1))
-    if out.exists():
-        out.rmdir()
-    building.rename(out)
-    return out
+    return finish_building(building, out)

@@ -15,7 +15,7 @@ from conftest import a_feature_module, fashion_mnist_or_skip, tiny_unet_config, 
 from islands.cli import main
 from islands.config import EvalConfig, validate
 from islands.data.sources import FashionMnist, Source
-from islands.errors import CheckpointError
+from islands.errors import CheckpointError, ConfigError
 from islands.eval import metrics
 from islands.eval.evaluate import Evaluator, timed
 from islands.eval.features import Pixels, load_classifier, load_torch_features, train_classifier
@@ -118,7 +118,8 @@ def tiny_extractor():
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1))
 
 
-def test_user_feature_networks_load_from_safetensors_and_refuse_pickles(tmp_path):
+def test_user_feature_networks_load_from_safetensors_and_refuse_pickles(tmp_path, monkeypatch):
+    monkeypatch.setenv("ISLANDS_TRUSTED_MODULES", "test_eval")  # the user trusts their own module
     torch.manual_seed(0)
     net = tiny_extractor()
     save_weights(net.state_dict(), tmp_path / "ext.safetensors")
@@ -142,6 +143,7 @@ def test_reference_statistics_are_cached_per_feature_network_setting(tmp_path, m
     from islands.data.sources import _ArraySource
 
     monkeypatch.setenv("ISLANDS_CACHE", str(tmp_path))
+    monkeypatch.setenv("ISLANDS_TRUSTED_MODULES", "test_eval")
     rng = np.random.default_rng(0)
     data = _ArraySource(torch.from_numpy(rng.uniform(-1, 1, (256, 1, 8, 8)).astype(np.float32)),
                         torch.arange(256) % 4, 4)
@@ -250,6 +252,7 @@ def test_islands_eval_imports_only_the_feature_module_the_user_names(gmm_run, tm
     factory = a_feature_module(tmp_path, "island_features")
     monkeypatch.syspath_prepend(str(tmp_path))  # importable, as a module beside the user would be
     monkeypatch.delitem(sys.modules, "island_features", raising=False)
+    monkeypatch.setenv("ISLANDS_TRUSTED_MODULES", "island_features")  # trusted here: the run folder still may not
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     cfg["eval"].update(features="torch", feature_net=factory, feature_weights=str(tmp_path / "features.safetensors"))
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
@@ -263,6 +266,36 @@ def test_islands_eval_imports_only_the_feature_module_the_user_names(gmm_run, tm
     assert main(["eval", str(run), "--num", "200", "--metrics", "fd", "--quiet", "--feature-net", factory]) == 0
     assert (tmp_path / "imported").exists()
     assert "fd" in next(iter(json.loads((run / "metrics.json").read_text()).values()))
+
+
+def test_a_feature_module_is_imported_only_if_this_machine_trusts_it(gmm_run, tmp_path, capsys, monkeypatch):
+    """A config, or a command line pasted from another island's README, names code: it runs only if the user listed
+    its module in ISLANDS_TRUSTED_MODULES (issue 35), and the one line says what to set."""
+    factory = a_feature_module(tmp_path, "island_features")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "island_features", raising=False)
+    monkeypatch.delenv("ISLANDS_TRUSTED_MODULES", raising=False)
+    weights = tmp_path / "features.safetensors"
+    assert main(["eval", str(gmm_run[0]), "--num", "200", "--metrics", "fd", "--quiet", "--feature-net", factory,
+                 "--feature-weights", str(weights)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "set ISLANDS_TRUSTED_MODULES=island_features" in err, err
+    monkeypatch.setenv("ISLANDS_TRUSTED_MODULES", "torchvision, island_features_extra")  # others, not this one
+    with pytest.raises(ConfigError, match="set ISLANDS_TRUSTED_MODULES=torchvision,island_features_extra,island_fe"):
+        load_torch_features(factory, weights)
+    assert not (tmp_path / "imported").exists()  # never imported, not even to look
+
+    monkeypatch.setenv("ISLANDS_TRUSTED_MODULES", "torchvision,island_features")
+    assert load_torch_features(factory, weights).name.startswith("torch-island_features.build-")
+    assert (tmp_path / "imported").exists()
+    package = tmp_path / "trusted_package"  # a name trusts the modules below it
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "nets.py").write_text("import torch\n\n\ndef build():\n    return torch.nn.Linear(2, 4)\n")
+    monkeypatch.setenv("ISLANDS_TRUSTED_MODULES", "trusted_package")
+    assert load_torch_features("trusted_package.nets:build", weights).name.startswith("torch-trusted_package.nets")
+    with pytest.raises(ConfigError, match="'this:x' names module 'this'"):
+        load_torch_features("this:x", weights)
 
 
 def test_an_evaluator_on_pixels_scores_the_data_against_itself_near_zero(tmp_path, monkeypatch):

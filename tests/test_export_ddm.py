@@ -4,12 +4,14 @@ it with plain diffusers in a process where Islands cannot be imported, and the s
 computes; a changed file is refused."""
 
 import json
+import sys
 import textwrap
 
 import numpy as np
 import pytest
 import torch
 from conftest import emoji_or_skip, random_images, tiny_unet_config
+from hostile import edit_json, link_out
 from test_diffusers_nets import CLASS_LABELS, ensemble_of, model_config, randomised
 from test_export import WITHOUT_ISLANDS, run_without_islands
 
@@ -19,6 +21,7 @@ from islands.data.shards import file_sha256
 from islands.ddm import diffusers_pipeline
 from islands.ddm.ensemble import ancestral_clusters, read_manifest
 from islands.ddm.sampling import open_sampler
+from islands.errors import ConfigError
 from islands.nets.condition import TextWidths, pack_text
 from islands.nets.router import TransformerRouter
 
@@ -219,7 +222,8 @@ def test_a_run_trained_here_joins_an_imported_ensemble_as_one_more_expert(ensemb
     cfg = tiny_unet_config(tmp_path / "run", tmp_path / "theirs.npz", train={
         "images": 16, "checkpoint_every": 16, "sample_every": 0, "warmup_images": 0})
     # the new island starts from a published expert (a diffusers folder), as a fine-tune on its own data
-    cfg["model"] = model_config("DiTTransformer2DModel", 4, pretrained=str(ensemble / "out" / "expert_0"))
+    cfg["model"] = {**model_config("DiTTransformer2DModel", 4, pretrained=str(ensemble / "out" / "expert_0")),
+                    "config": {}}  # the folder's config.json says it (model.config beside pretrained must agree)
     from conftest import write_config
 
     assert main(["train", write_config(tmp_path / "run.yaml", cfg), "--quiet"]) == 0
@@ -246,7 +250,7 @@ def test_a_run_trained_here_joins_an_imported_ensemble_as_one_more_expert(ensemb
     ("flip", "expert_0/diffusion_pytorch_model.safetensors: sha256 does not match ddm.json"),
     ("unlisted", "evil.py is not a file of the open DDM layout"),
     ("class", "is not one of UNet2DModel"),
-    ("no prior", "not the index of an ensemble Islands exported (KeyError: 'prior')"),
+    ("no prior", "prior: None is not a list of 2 shares, one per cluster"),
 ])
 def test_a_folder_that_is_not_what_its_index_says_is_refused_in_one_line(ensemble, tmp_path, capsys, change,
                                                                            message):
@@ -277,6 +281,184 @@ def test_a_folder_that_is_not_what_its_index_says_is_refused_in_one_line(ensembl
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "imported").exists() and not (tmp_path / ".imported.partial").exists()
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["keep.txt"]
+
+
+# --- issue 35: a published folder as a hostile island would hand it over -------------------------------------------
+
+def published_copy(ensemble, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(ensemble / "out", copy)
+    return copy
+
+
+def set_at(data, key_path: list, value) -> None:
+    for key in key_path[:-1]:
+        data = data[key]
+    data[key_path[-1]] = value
+
+
+def rehashed(copy, name: str) -> None:
+    """The index's sha256 of `name` made to match its changed bytes, as a publisher who meant it would."""
+    edit_json(copy / "ddm.json", lambda index: set_at(index, ["files", name], file_sha256(copy / name)))
+
+
+def import_refused(copy, tmp_path, capsys) -> str:
+    """`islands import` of `copy` fails in one line and leaves nothing behind; the line."""
+    capsys.readouterr()
+    assert main(["import", str(copy), str(tmp_path / "imported")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("islands: "), err
+    assert not (tmp_path / "imported").exists() and not (tmp_path / ".imported.partial").exists()
+    return err
+
+
+@pytest.mark.parametrize(("key_path", "value", "message"), [
+    (["prior"], [-1, 2], "prior: [-1, 2] holds a share that is not a finite number of at least 0"),
+    (["prior"], [float("nan")] * 2, "prior: [nan, nan] holds a share that is not a finite number"),
+    (["prior"], [1.0], "prior: [1.0] is not a list of 2 shares"),
+    (["prior"], [0.5, 0.6], "prior: [0.5, 0.6] does not sum to 1"),
+    (["prior_by_class", 0], [-0.5, 1.5], "prior_by_class[0]: [-0.5, 1.5] holds a share that is not a finite"),
+    (["prior_by_class"], [[0.5, 0.5]], "prior_by_class: not a list of at least 5 rows"),
+    (["experts", 0, "size"], -3, "experts[0].size: -3 is not a whole number of at least 0"),
+    (["experts", 0, "size"], "9", "experts[0].size: '9' is not a whole number"),
+    (["islands_config"], None, "islands_config: None is not a config"),
+    (["shape"], [1, -8, 8], "shape[1]: -8 is not a whole number of at least 1"),
+], ids=lambda v: None if isinstance(v, str) else json.dumps(v))
+def test_an_index_value_import_would_use_wrongly_is_refused_in_one_line(ensemble, tmp_path, capsys, key_path, value,
+                                                                         message):
+    copy = published_copy(ensemble, tmp_path)
+    edit_json(copy / "ddm.json", lambda index: set_at(index, key_path, value))
+    assert f"ddm.json: {message}" in import_refused(copy, tmp_path, capsys)
+
+
+@pytest.mark.parametrize(("key_path", "value", "message"), [
+    (["prior"], [-1, 2], "prior: [-1, 2] holds a share that is not a finite number of at least 0"),
+    (["prior"], [1.0], "prior: [1.0] is not a list of 2 shares"),
+    (["prior_by_class", 0], [-0.5, 1.5], "prior_by_class[0]: [-0.5, 1.5] holds a share"),
+    (["experts", 1, "size"], -3, "experts[1].size: -3 is not a whole number"),
+    (["k"], 3, "k: 3 but 2 experts are listed"),
+], ids=lambda v: None if isinstance(v, str) else json.dumps(v))
+def test_an_ensemble_manifest_value_sampling_would_use_wrongly_is_refused_in_one_line(ensemble, tmp_path, capsys,
+                                                                                       key_path, value, message):
+    """The same gaps in ensemble.json, which may have come from another island with its folder."""
+    import shutil
+
+    copy = tmp_path / "ens"
+    shutil.copytree(ensemble / "ens", copy)
+    edit_json(copy / "ensemble.json", lambda manifest: set_at(manifest, key_path, value))
+    assert main(["sample", str(copy), "--num", "2", "--steps", "1", "--routing", "ancestral", "--out",
+                 str(tmp_path / "samples"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"ensemble.json: {message}" in err, err
+
+
+def test_an_ensemble_manifest_that_links_out_of_its_folder_is_not_read(ensemble, tmp_path, capsys):
+    import shutil
+
+    copy = tmp_path / "ens"
+    shutil.copytree(ensemble / "ens", copy)
+    link_out(copy, "ensemble.json", tmp_path / "outside" / "ensemble.json")
+    assert main(["sample", str(copy), "--num", "2", "--steps", "1", "--out", str(tmp_path / "samples"),
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ensemble.json leads out of the folder" in err, err
+
+
+@pytest.mark.parametrize("name", ["ddm.json", "expert_0/diffusion_pytorch_model.safetensors", "expert_1/config.json",
+                                  "router/config.json", "partition/partition.json"])
+def test_a_file_of_the_folder_that_links_out_of_it_is_not_read(ensemble, tmp_path, capsys, name):
+    """The same bytes outside (their sha256 holds): only where the file lies refuses it."""
+    copy = published_copy(ensemble, tmp_path)
+    link_out(copy, name, tmp_path / "outside" / name.replace("/", "_"))
+    assert f"{name} leads out of the folder" in import_refused(copy, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("network", ["IslandsUNet", "DiTTransformer2DModel"])
+def test_a_config_larger_than_its_weights_is_refused_before_it_is_built(ensemble, tmp_path, capsys, network):
+    """An IslandsUNet of 20000 channels (6.4 GB) or a DiT of 10000 layers beside weights of a few thousand numbers:
+    refused in one line, nothing allocated."""
+    from islands.config import validate
+    from islands.nets import OWN_NETWORK_ARGUMENTS
+
+    copy = published_copy(ensemble, tmp_path)
+    index = json.loads((copy / "ddm.json").read_text())
+    config = json.loads((copy / "expert_0" / "config.json").read_text())
+    if network == "IslandsUNet":  # expert 0 claims to be Islands' own U-Net, its config.json and index agreeing
+        model = {**tiny_unet_config(".", ".")["model"], "channels": 20000}
+        arguments = OWN_NETWORK_ARGUMENTS["unet"](validate({"run_dir": ".", "model": model}).model,
+                                                  tuple(index["shape"]), index["num_classes"])
+        config = {"_class_name": "IslandsUNet", **json.loads(json.dumps({**arguments, "text": None}))}
+        edit_json(copy / "ddm.json", lambda index: set_at(index, ["experts", 0, "islands_model"], model))
+    else:
+        config["num_layers"] = 10000
+    (copy / "expert_0" / "config.json").write_text(json.dumps(config))
+    rehashed(copy, "expert_0/config.json")
+    err = import_refused(copy, tmp_path, capsys)
+    assert "expert_0/config.json implies more than the" in err and "refused before it is built" in err, err
+
+
+def test_import_drops_code_an_islands_config_names_with_a_warning(ensemble, tmp_path, capsys, monkeypatch):
+    """Retraining an imported expert (islands train IMPORTED/config.yaml expert=0) must not import the module the
+    publisher's config named; and were it named again, the feature loader refuses a module this machine never
+    trusted."""
+    import yaml
+
+    from islands.config import load_config
+    from islands.eval.evaluate import refuse_untrusted_features
+
+    copy = published_copy(ensemble, tmp_path)
+    torch_features = {"features": "torch", "feature_net": "this:x", "feature_weights": "/x.safetensors",
+                      "feature_size": 32}
+    edit_json(copy / "ddm.json", lambda index: index["islands_config"]["eval"].update(torch_features))
+    assert main(["import", str(copy), str(tmp_path / "imported")]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("islands: warning:")]
+    assert len(warned) == 1 and "eval.feature_net 'this:x' names code to import" in warned[0], warned
+    written = yaml.safe_load((tmp_path / "imported" / "config.yaml").read_text())["eval"]
+    assert not set(torch_features) & set(written) and written["metrics"] == ["fd"]  # the rest of eval kept
+    monkeypatch.delenv("ISLANDS_TRUSTED_MODULES", raising=False)
+    monkeypatch.delitem(sys.modules, "this", raising=False)
+    named_again = load_config(tmp_path / "imported" / "config.yaml", [f"eval.{k}={v}" for k, v in
+                                                                       torch_features.items()])
+    with pytest.raises(ConfigError, match="set ISLANDS_TRUSTED_MODULES=this"):
+        refuse_untrusted_features(named_again.eval)
+    assert "this" not in sys.modules
+
+
+def test_a_condition_router_whose_sizes_its_weights_do_not_have_is_refused_unbuilt():
+    """Its sizes come from ddm.json or ensemble.json: a trillion hidden units beside weights of 8 are never built."""
+    from islands.ddm.condition_router import ConditionRouter
+    from islands.ddm.ensemble import condition_router_of
+    from islands.errors import CheckpointError
+
+    weights = ConditionRouter(6, 2, 8).state_dict()
+    assert condition_router_of({"width": 6, "clusters": 2, "hidden": 8}, weights, "cr").hidden == 8
+    with pytest.raises(CheckpointError, match="cr: its weights are not those of a condition router of width 6, "
+                                              "1000000000000 hidden"):
+        condition_router_of({"width": 6, "clusters": 2, "hidden": 10**12}, weights, "cr")
+
+
+def test_import_and_export_remove_only_a_partial_folder_islands_marked(ensemble, tmp_path, capsys):
+    """A `.OUT.partial` of a person's is refused and kept; one a killed import left (marked) is replaced."""
+    from islands.rundir import BUILDING_MARKER
+
+    for command, source in (("import", ensemble / "out"), ("export", ensemble / "ens")):
+        partial = tmp_path / f".{command}ed.partial"
+        partial.mkdir()
+        (partial / "thesis.tex").write_text("mine")
+        capsys.readouterr()
+        assert main([command, str(source), str(tmp_path / f"{command}ed")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{partial} exists and is not a folder Islands was building" in err, err
+        assert (partial / "thesis.tex").read_text() == "mine" and not (tmp_path / f"{command}ed").exists()
+    killed = tmp_path / ".again.partial"
+    killed.mkdir()
+    (killed / BUILDING_MARKER).write_text("")
+    (killed / "stale.safetensors").write_text("left by the killed import")
+    assert main(["import", str(ensemble / "out"), str(tmp_path / "again")]) == 0
+    assert not killed.exists() and not (tmp_path / "again" / BUILDING_MARKER).exists()
+    assert not (tmp_path / "again" / "stale.safetensors").exists()
 
 
 # --- on text: SD3, Flux and an SD U-Net on the emoji's captions ---------------------------------------------------

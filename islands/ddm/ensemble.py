@@ -10,6 +10,7 @@ exist, and a warning names the missing one.
 import functools
 import hashlib
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WE
 from islands.ddm.mixture import DEFAULT_ROUTING, ExpertSlot, Mixture, PriorRouter, parse_routing
 from islands.ddm.runs import ensemble_dir, expert_dir, expert_runs, partition_dir, router_dir
 from islands.ddm.time_gate import TimeGate
-from islands.errors import CheckpointError, IslandsWarning
+from islands.errors import CheckpointError, DataError, IslandsWarning
 from islands.flow.denoiser import NetworkDenoiser
 from islands.flow.paths import PATH_OPTIONS, build_path
 from islands.generate import network_with_weights
@@ -30,9 +31,10 @@ from islands.nets.router import route
 from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, weights_file
 from islands.train.captions import recorded_text_encoder
 from islands.train.latents import recorded_sha256
-from islands.untrusted import file_sha256
+from islands.untrusted import file_sha256, inside
 
 MANIFEST = "ensemble.json"
+PRIOR_TOLERANCE = 1e-6  # a prior's shares, written as sizes / their sum, sum to 1 within rounding
 
 
 def _entry(root: Path, run: Path, name: str) -> dict:
@@ -101,28 +103,102 @@ def write_manifest(cfg: Config) -> dict:
 
 
 def read_manifest(root: Path) -> dict:
-    path = Path(root) / MANIFEST
+    """The manifest, its values checked before anything uses them: an ensemble may have come from another island."""
+    root = Path(root)
     try:
-        return json.loads(path.read_text())
+        path = inside(root, MANIFEST, "ensemble folder")
+        manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"cannot read ensemble manifest {path}: {err}") from None
+        raise CheckpointError(f"cannot read ensemble manifest {root / MANIFEST}: {err}") from None
+    check_manifest(manifest, root / MANIFEST)
+    return manifest
 
 
-def _inside(root: Path, entry: dict) -> Path:
-    """The entry's weights file, which must lie inside the ensemble folder, symbolic links followed: a manifest
+def count(value, what: str, least: int = 0) -> int:
+    """A whole number of at least `least` (not a bool, a float or a string), or one line naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise CheckpointError(f"{what}: {value!r} is not a whole number of at least {least}")
+    return value
+
+
+def prior_of(value, k: int, what: str) -> list[float]:
+    """A distribution over k clusters: k finite, non-negative numbers summing to 1, or one line naming `what`."""
+    if not isinstance(value, list) or len(value) != k:
+        raise CheckpointError(f"{what}: {value!r} is not a list of {k} shares, one per cluster")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+               for v in value):
+        raise CheckpointError(f"{what}: {value!r} holds a share that is not a finite number of at least 0")
+    if abs(sum(value) - 1) > PRIOR_TOLERANCE:
+        raise CheckpointError(f"{what}: {value!r} does not sum to 1 (its sum is {sum(value)})")
+    return value
+
+
+def priors_by_class(value, classes: int, k: int, what: str) -> list[list[float]]:
+    """One distribution over the k clusters per class of the data: at least one per class the experts take (an
+    unconditional ensemble of labelled data has them too, for ancestral routing by class)."""
+    if not isinstance(value, list) or len(value) < classes:
+        raise CheckpointError(f"{what}: not a list of at least {classes} rows, one per class")
+    return [prior_of(row, k, f"{what}[{c}]") for c, row in enumerate(value)]
+
+
+def _check_member(entry, what: str) -> None:
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{what}: {entry!r} is not a member's entry")
+    if "size" in entry:
+        count(entry["size"], f"{what}.size")
+    if "weights" in entry:  # what its network is built from
+        if not isinstance(entry.get("shape"), list) or not 1 <= len(entry["shape"]) <= 4:
+            raise CheckpointError(f"{what}.shape: {entry.get('shape')!r} is not the shape of one example")
+        for n, side in enumerate(entry["shape"]):
+            count(side, f"{what}.shape[{n}]", 1)
+        count(entry.get("num_classes"), f"{what}.num_classes")
+    for n, part in enumerate(entry.get("ranges") or []):
+        _check_member(part, f"{what}.ranges[{n}]")
+
+
+def check_manifest(manifest, path: Path) -> None:
+    """The manifest's counts, shapes and priors are what sampling can use, or one line naming the key."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("experts"), list) or not manifest["experts"]:
+        raise CheckpointError(f"{path}: not an ensemble manifest (no list of experts)")
+    k = len(manifest["experts"])
+    if count(manifest.get("k"), f"{path}: k", 1) != k:
+        raise CheckpointError(f"{path}: k: {manifest['k']} but {k} experts are listed")
+    for n, entry in enumerate(manifest["experts"]):
+        _check_member(entry, f"{path}: experts[{n}]")
+    _check_member(manifest.get("router"), f"{path}: router")
+    prior_of(manifest.get("prior"), k, f"{path}: prior")
+    if manifest.get("prior_by_class"):
+        classes = next((e["num_classes"] for e in manifest["experts"] if "num_classes" in e), None)
+        if classes is None:
+            raise CheckpointError(f"{path}: prior_by_class: no expert says how many classes there are")
+        priors_by_class(manifest["prior_by_class"], classes, k, f"{path}: prior_by_class")
+    if (spec := manifest.get("condition_router")) is not None:
+        check_condition_router(spec, k, f"{path}: condition_router")
+
+
+def check_condition_router(spec, k: int, what: str) -> None:
+    if not isinstance(spec, dict):
+        raise CheckpointError(f"{what}: {spec!r} is not a condition router's entry")
+    for key in ("width", "clusters", "hidden"):
+        count(spec.get(key), f"{what}.{key}", 1)
+    if spec["clusters"] != k:
+        raise CheckpointError(f"{what}.clusters: {spec['clusters']} but the ensemble has {k} clusters")
+
+
+def _weights_path(root: Path, entry: dict) -> Path:
+    """The entry's weights file, which must lie inside the ensemble folder (islands/untrusted.py's rule): a manifest
     that points elsewhere would have files read that nobody copied in with the ensemble."""
-    relative = Path(entry["weights"])
-    path = root / relative
-    if relative.is_absolute() or not path.resolve().is_relative_to(root.resolve()):
+    try:
+        return inside(root, entry["weights"], "ensemble folder")
+    except DataError:
         raise CheckpointError(f"{root / MANIFEST}: {entry['name']}'s weights {entry['weights']} lie outside {root}; "
-                              f"refusing {entry['name']}")
-    return path
+                              f"refusing {entry['name']}") from None
 
 
 def read_verified(root: Path, entry: dict) -> dict:
     """The entry's weights, at every load: the bytes that are hashed are the bytes deserialised, so a file swapped
     after the ensemble was opened (or between the check and the read) is never used."""
-    path = _inside(root, entry)
+    path = _weights_path(root, entry)
     try:
         data = path.read_bytes()
     except OSError as err:
@@ -140,7 +216,7 @@ def _verified(root: Path, entry: dict) -> tuple[bool, str]:
     sampled; if not, why (missing or unfinished: the mixture warns when it routes around it)."""
     if "weights" not in entry:  # an imported ensemble says why it has none (islands/ddm/imported.py)
         return False, entry.get("why", f"has no finished checkpoint ({root / entry['run']})")
-    if not _inside(root, entry).is_file():
+    if not _weights_path(root, entry).is_file():
         return False, f"is missing from disk ({root / entry['weights']})"
     read_verified(root, entry)
     return True, ""
@@ -219,14 +295,27 @@ def distillation_teacher(cfg: Config, device) -> Mixture:
     return load_ensemble(Path(cfg.data.partition).parent, routing, seed=cfg.seed, device=device)[0]
 
 
+def condition_router_of(spec: dict, weights: dict, what: str) -> ConditionRouter:
+    """The condition router of `spec`'s sizes holding `weights`, its shapes compared before it is built: sizes from a
+    manifest that its weights do not have are refused in one line, never allocated."""
+    width, clusters, hidden = spec["width"], spec["clusters"], spec["hidden"]
+    wanted = {"net.0.weight": (hidden, width), "net.0.bias": (hidden,), "net.2.weight": (clusters, hidden),
+              "net.2.bias": (clusters,)}
+    if {name: tuple(value.shape) for name, value in weights.items()} != wanted:
+        raise CheckpointError(f"{what}: its weights are not those of a condition router of width {width}, "
+                              f"{hidden} hidden and {clusters} clusters")
+    router = ConditionRouter(width, clusters, hidden)
+    router.load_state_dict(weights)
+    return router.eval()
+
+
 def load_condition_prior(root: Path, manifest: dict):
     """The ensemble's condition router as labels -> p(cluster | text) (its weights verified), or None without one."""
     entry = manifest.get("condition_router")
     if entry is None:
         return None
-    router = ConditionRouter(entry["width"], entry["clusters"], entry["hidden"])
-    router.load_state_dict(read_verified(Path(root), entry))
-    return condition_prior(router.eval(), entry["width"])
+    router = condition_router_of(entry, read_verified(Path(root), entry), f"{Path(root) / entry['weights']}")
+    return condition_prior(router, entry["width"])
 
 
 def ancestral_clusters(manifest: dict, seed: int, first: int, num: int, labels: torch.Tensor | None = None,

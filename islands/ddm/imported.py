@@ -14,10 +14,12 @@ trained for the K clusters before, are left out of the manifest, so that router-
 until a router is trained for K + 1 and ancestral routing is exact.
 """
 
+import functools
 import hashlib
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,15 +28,32 @@ import yaml
 from islands.config import to_dict, validate
 from islands.data import build_data
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS
-from islands.ddm.ensemble import MANIFEST, member_network
+from islands.ddm.ensemble import (
+    MANIFEST,
+    check_condition_router,
+    condition_router_of,
+    count,
+    member_network,
+    prior_of,
+    priors_by_class,
+)
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
-from islands.errors import CheckpointError, ConfigError, DataError
+from islands.errors import CheckpointError, ConfigError, DataError, IslandsWarning
 from islands.generate import uninitialised_network
 from islands.nets import OWN_NETWORK_ARGUMENTS
 from islands.nets.diffusers_net import ADAPTERS, NULL_CAPTION, DiffusersNetwork
 from islands.nets.diffusers_wrapper import EXPORTED_CLASS, PACKAGE, SHIPPED
-from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, load_weights, save_weights, weights_file
-from islands.untrusted import file_sha256
+from islands.rundir import (
+    atomic_write_text,
+    describe_run,
+    finish_building,
+    latest_checkpoint,
+    load_weights,
+    save_weights,
+    start_building,
+    weights_file,
+)
+from islands.untrusted import check_fits, file_sha256, inside
 
 INDEX = "ddm.json"
 # Islands' own networks as the export names them; the folder carries their code (PACKAGE) for plain diffusers, and
@@ -48,6 +67,10 @@ ALLOWED = re.compile(rf"(expert_\d+/(config\.json|diffusion_pytorch_model\.safet
                      rf"|{ROUTER_FOLDER}/{re.escape(ROUTER_WEIGHTS)}|pipeline\.py)")
 ROUTER_ARGUMENTS = {"hidden_size": "hidden_size", "depth": "depth", "num_heads": "num_heads",
                     "patch_size": "patch_size"}
+# the torch feature network of eval: a module imported by name and its weights, both on the publisher's machine; a
+# config from another island never names code that this one runs (islands/eval/features.py's allow-list is the other
+# guard)
+TORCH_FEATURE_KEYS = ("feature_net", "feature_weights", "feature_size", "feature_channels")
 
 
 class _Folder:
@@ -55,23 +78,23 @@ class _Folder:
 
     def __init__(self, root: Path):
         self.root = Path(root)
+        # a link out of the folder is not its index
+        self.index_path = inside(self.root, INDEX, "ensemble folder")
         try:
-            self.index = json.loads((self.root / INDEX).read_text())
-            files = self.index["files"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
+            self.index = json.loads(self.index_path.read_text())
+        except (OSError, ValueError) as err:
             raise CheckpointError(f"{self.root / INDEX}: not an exported ensemble's index ({err})") from None
-        refused = sorted(name for name in files if not ALLOWED.fullmatch(name))
-        if refused:
-            raise CheckpointError(f"{self.root / INDEX}: {refused[0]} is not a file of the open DDM layout; refusing "
-                                  f"the folder")
-        self.files = files
+        self.files = _checked_files(self.index, self.root / INDEX)
+        check_index(self.index, self.root / INDEX)
 
-    def read(self, name: str) -> bytes:
+    def path(self, name: str) -> Path:
+        """A file the index lists, inside the folder (not hashed: for its header alone)."""
         if name not in self.files:
             raise CheckpointError(f"{self.root / INDEX}: lists no {name}")
-        path = self.root / name
-        if not path.resolve().is_relative_to(self.root.resolve()):
-            raise CheckpointError(f"{path}: lies outside {self.root}")
+        return inside(self.root, name, "ensemble folder")
+
+    def read(self, name: str) -> bytes:
+        path = self.path(name)
         try:
             data = path.read_bytes()
         except OSError as err:
@@ -82,9 +105,12 @@ class _Folder:
 
     def json(self, name: str) -> dict:
         try:
-            return json.loads(self.read(name))
+            data = json.loads(self.read(name))
         except ValueError as err:
             raise CheckpointError(f"{self.root / name}: not JSON ({err})") from None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{self.root / name}: not a JSON object")
+        return data
 
     def weights(self, name: str) -> dict:
         from safetensors import SafetensorError
@@ -94,6 +120,63 @@ class _Folder:
             return load(self.read(name))
         except SafetensorError as err:
             raise CheckpointError(f"{self.root / name}: not a valid safetensors file ({err})") from None
+
+
+def _checked_files(index, path: Path) -> dict:
+    """The index's files (name -> sha256), each a file of the open DDM layout."""
+    files = index.get("files") if isinstance(index, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise CheckpointError(f"{path}: not an exported ensemble's index (no files with their sha256)")
+    refused = sorted(name for name in files if not ALLOWED.fullmatch(name))
+    if refused:
+        raise CheckpointError(f"{path}: {refused[0]} is not a file of the open DDM layout; refusing the folder")
+    return files
+
+
+def check_index(index: dict, path: Path) -> None:
+    """Every value of the index that the import uses, checked before it is used: one line naming the key."""
+    if "islands_config" not in index:
+        raise CheckpointError(f"{path}: has no islands_config, the ensemble's config")
+    if not isinstance(index["islands_config"], dict):
+        raise CheckpointError(f"{path}: islands_config: {index['islands_config']!r} is not a config (a mapping)")
+    shape = index.get("shape")
+    if not isinstance(shape, list) or not 1 <= len(shape) <= 4:
+        raise CheckpointError(f"{path}: shape: {shape!r} is not the shape of one example")
+    for n, side in enumerate(shape):
+        count(side, f"{path}: shape[{n}]", 1)
+    classes = count(index.get("num_classes"), f"{path}: num_classes")
+    experts = index.get("experts")
+    if not isinstance(experts, list) or not experts or not all(isinstance(e, dict) for e in experts):
+        raise CheckpointError(f"{path}: experts: not a list of the experts' entries")
+    for k, expert in enumerate(experts):
+        if not isinstance(expert.get("folder"), str) or not re.fullmatch(r"expert_\d+", expert["folder"]):
+            raise CheckpointError(f"{path}: experts[{k}].folder: {expert.get('folder')!r} is not expert_N")
+        count(expert.get("size"), f"{path}: experts[{k}].size")
+    prior_of(index.get("prior"), len(experts), f"{path}: prior")
+    if index.get("prior_by_class"):  # a row per class, and the last for no class
+        priors_by_class(index["prior_by_class"], classes + 1, len(experts), f"{path}: prior_by_class")
+    if "condition_router" in index:
+        check_condition_router(index["condition_router"], len(experts), f"{path}: condition_router")
+
+
+def without_code(config: dict, path: Path) -> dict:
+    """The publisher's config less what would import code by name here (eval's torch feature network), with a
+    warning: retraining an expert must not run a module that another island named."""
+    section = config.get("eval")
+    if not isinstance(section, dict) or not (section.get("features") == "torch" or section.get("feature_net")):
+        return config
+    named = section.get("feature_net")
+    kept = {k: v for k, v in section.items() if k not in TORCH_FEATURE_KEYS and (k, v) != ("features", "torch")}
+    warnings.warn(f"{path}: islands_config's eval.feature_net {named!r} names code to import: left out of the "
+                  f"imported config.yaml with the rest of its torch features (name your own to use them)",
+                  IslandsWarning, stacklevel=3)
+    return {**config, "eval": kept}
+
+
+def _fits(folder: _Folder, build, names: list[str], what: str) -> None:
+    """The network `build()` makes, built on the meta device only as large as the listed weights files hold: a
+    config that names more (channels: 20000) is refused before anything is allocated."""
+    check_fits(build, [folder.path(name) for name in names], what)
 
 
 def _expert_model(folder: _Folder, expert: dict, cfg) -> dict:
@@ -155,12 +238,14 @@ def _expert_entry(k: int, model: dict, shape: list, num_classes: int, path: str,
 def _imported_experts(folder: _Folder, cfg, building: Path) -> list[dict]:
     index, entries = folder.index, []
     for k, expert in enumerate(index["experts"]):
-        name = expert["folder"]
-        if not re.fullmatch(r"expert_\d+", name):
-            raise CheckpointError(f"{folder.root / INDEX}: expert folder {name!r} is not expert_N")
+        name = expert["folder"]  # expert_N (check_index)
         model = _expert_model(folder, expert, cfg)
-        net = uninitialised_network(validate({"run_dir": ".", "model": model}).model, tuple(index["shape"]),
-                                    index["num_classes"])
+        model_cfg, shape = validate({"run_dir": ".", "model": model}).model, tuple(index["shape"])
+        weights = [f"{name}/{file}" for file in ("diffusion_pytorch_model.safetensors", NULL_CAPTION)
+                   if f"{name}/{file}" in folder.files]  # the null caption: the network's own "no caption"
+        _fits(folder, functools.partial(uninitialised_network, model_cfg, shape, index["num_classes"], "meta"),
+              weights, f"{folder.root / name}/config.json")
+        net = uninitialised_network(model_cfg, shape, index["num_classes"])
         try:
             _load(net, folder, name)
         except (ValueError, RuntimeError) as err:
@@ -177,11 +262,17 @@ def _imported_router(folder: _Folder, cfg, building: Path) -> dict:
     if "router" not in folder.index:
         return {"name": "router", "run": "router", "why": "was not published with the ensemble"}
     config = folder.json("router/config.json")
+    if config.get("num_experts") != len(folder.index["experts"]):
+        raise CheckpointError(f"{folder.root / 'router'}/config.json: num_experts: {config.get('num_experts')!r} but "
+                              f"the ensemble has {len(folder.index['experts'])} experts")
     model = {"arch": "router", "num_classes": config["num_classes"], "outputs": config["num_experts"],
              "condition": cfg.model.condition, "text_tokens": cfg.model.text_tokens, "text_width": cfg.model.text_width,
              "text_pooled_width": cfg.model.text_pooled_width, **{k: config[v] for k, v in ROUTER_ARGUMENTS.items()}}
     entry = {"name": "router", "run": "router", "model": model, "shape": folder.index["shape"],
              "num_classes": config["num_classes"]}
+    model_cfg = validate({"run_dir": ".", "model": model}).model
+    _fits(folder, lambda: uninitialised_network(model_cfg, tuple(entry["shape"]), entry["num_classes"], "meta"),
+          ["router/diffusion_pytorch_model.safetensors"], f"{folder.root / 'router'}/config.json")
     weights = folder.weights("router/diffusion_pytorch_model.safetensors")
     try:
         member_network(entry, weights, "cpu")  # strict: Islands' router under the same names
@@ -222,26 +313,23 @@ def import_ensemble(source: Path, out: Path, runs: list[Path] = ()) -> Path:
         raise ConfigError(f"{out}: already exists and is not an empty folder; import writes a new one")
     folder = _Folder(source)
     index = folder.index
-    if "islands_config" not in index:
-        raise CheckpointError(f"{source / INDEX}: has no islands_config, the ensemble's config")
+    config = {**without_code(index["islands_config"], source / INDEX), "run_dir": str(out)}
     try:
-        cfg = validate({**index["islands_config"], "run_dir": str(out)})
+        cfg = validate(config)
     except (ValueError, ConfigError) as err:
         raise CheckpointError(f"{source / INDEX}: islands_config: {str(err).splitlines()[0]}") from None
 
-    building = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(building, ignore_errors=True)
-    building.mkdir(parents=True)
+    building = start_building(out)  # a `.OUT.partial` of a person's is refused, never removed
     try:
         experts = _imported_experts(folder, cfg, building)
         router = _imported_router(folder, cfg, building)
         (building / "partition").mkdir()
         for name in (META_FILE, ARRAYS_FILE):
             (building / "partition" / name).write_bytes(folder.read(f"partition/{name}"))
-        partition = json.loads((building / "partition" / META_FILE).read_text())
+        partition = folder.json(f"partition/{META_FILE}")
         manifest = {"k": len(experts), "prior": index["prior"], "partition": partition.get("method"),
                     "experts": experts, "router": router,
-                    "imported_from": {"folder": str(source), "ddm_sha256": file_sha256(source / INDEX)}}
+                    "imported_from": {"folder": str(source), "ddm_sha256": file_sha256(folder.index_path)}}
         if index.get("prior_by_class"):
             manifest["prior_by_class"] = index["prior_by_class"][:-1]
         if index.get("text_encoder_sha256"):
@@ -249,14 +337,14 @@ def import_ensemble(source: Path, out: Path, runs: list[Path] = ()) -> Path:
         if "condition_router" in index:
             spec = index["condition_router"]
             weights = folder.weights(f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}")
-            sizes = {k: int(spec[k]) for k in ("width", "clusters", "hidden")}
+            sizes = {k: spec[k] for k in ("width", "clusters", "hidden")}
+            condition_router_of(sizes, weights, f"{folder.root / ROUTER_FOLDER}")  # the sizes its weights have
             path = building / ROUTER_FOLDER / ROUTER_WEIGHTS
             manifest["condition_router"] = {"name": "condition router", "weights": f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}",
                                             "sha256": _write(weights, path), **sizes}
             atomic_write_text(building / ROUTER_FOLDER / ROUTER_REPORT, json.dumps({**sizes, "calibration": {}}))
         if runs:
             _join(manifest, partition, runs, building)
-        config = {**index["islands_config"], "run_dir": str(out)}
         config.setdefault("ddm", {})["k"] = manifest["k"]
         (building / "config.yaml").write_text(yaml.safe_dump(config))
         atomic_write_text(building / MANIFEST, json.dumps(manifest, indent=1))
@@ -270,10 +358,7 @@ def import_ensemble(source: Path, out: Path, runs: list[Path] = ()) -> Path:
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
-    if out.exists():
-        out.rmdir()
-    building.rename(out)
-    return out
+    return finish_building(building, out)
 
 
 def _join(manifest: dict, partition: dict, runs: list[Path], building: Path) -> None:
@@ -282,7 +367,13 @@ def _join(manifest: dict, partition: dict, runs: list[Path], building: Path) -> 
     experts = manifest["experts"]
     shape, num_classes = experts[0]["shape"], experts[0]["num_classes"]
     sizes = [e["size"] for e in experts]
-    by_class = partition.get("sizes_by_class")  # [class][cluster] counts
+    # [class][cluster] counts; unconditional experts draw no sample by its class
+    by_class = partition.get("sizes_by_class") if num_classes else None
+    if by_class is not None and (not isinstance(by_class, list) or len(by_class) != num_classes or not all(
+            isinstance(row, list) and len(row) == len(sizes) for row in by_class)):
+        raise CheckpointError(f"partition/{META_FILE}: sizes_by_class is not {num_classes} rows of {len(sizes)} "
+                              f"counts, one per class")
+    by_class = by_class and [[count(c, f"partition/{META_FILE}: sizes_by_class") for c in row] for row in by_class]
     for run in runs:
         entry, counts = _joined_expert(Path(run), len(experts), shape, num_classes, building)
         experts.append(entry)

@@ -21,6 +21,7 @@ from islands.eval import exact, metrics
 from islands.eval.clip_judge import load_clip_judge
 from islands.eval.contrastive import load_judge
 from islands.eval.features import (
+    TRUSTED_MODULES,
     ClassifierFeatures,
     Features,
     Pixels,
@@ -28,6 +29,7 @@ from islands.eval.features import (
     data_fingerprint,
     load_classifier,
     load_torch_features,
+    trusted_factory,
 )
 from islands.eval.prompt_following import PromptJudge, held_out, prompt_following
 from islands.flow.denoiser import Denoiser
@@ -69,9 +71,18 @@ def build_features(cfg: EvalConfig, source: Source, seed: int = 0, progress: boo
         return load_judge(source, seed, cfg.judge_epochs, progress).features()
     if kind == "classifier":
         return load_classifier(source, seed, cfg.classifier_epochs, progress=progress)
+    refuse_untrusted_features(cfg)
+    return load_torch_features(cfg.feature_net, cfg.feature_weights, cfg.feature_size, cfg.feature_channels)
+
+
+def refuse_untrusted_features(cfg: EvalConfig) -> None:
+    """Torch features that cannot be built, or whose module this machine does not trust, refused in one line: for a
+    run to call before it trains, so that its first evaluation does not stop it."""
+    if cfg.features != "torch":
+        return
     if not (cfg.feature_net and cfg.feature_weights):
         raise ConfigError("eval.features: 'torch' needs eval.feature_net (module:function) and eval.feature_weights")
-    return load_torch_features(cfg.feature_net, cfg.feature_weights, cfg.feature_size, cfg.feature_channels)
+    trusted_factory(cfg.feature_net)
 
 
 def build_judge(cfg: EvalConfig, source: Source, seed: int = 0, progress: bool = False) -> PromptJudge:
@@ -85,17 +96,21 @@ def trusted_features(cfg: EvalConfig, feature_net: str | None, config_file: Path
     """Evaluation settings read from a run folder's `config_file`, with the feature module the user named
     (`feature_net`; None: none). Torch features import and run that module, and a run folder may have come from
     another island: the module its config names is never imported on its word alone. `option` is how the user
-    names one on the command line ("--feature-net ", "eval.feature_net=")."""
+    names one on the command line ("--feature-net ", "eval.feature_net="). Either way the module must also be one
+    the user's machine trusts (ISLANDS_TRUSTED_MODULES, islands/eval/features.py), checked here before any work."""
+    key = option.rstrip(" =")
     if feature_net is not None:
+        trusted_factory(feature_net, key)
         return revalidate(cfg, "eval", feature_net=feature_net)
     if cfg.features != "torch":
         return cfg
-    key = option.rstrip(" =")
     if cfg.feature_net is None:
         raise ConfigError(f"{key}: torch features need the module that builds their network: "
                           f"pass {option}MODULE:FUNCTION")
+    module = cfg.feature_net.partition(":")[0]
     raise ConfigError(f"{key}: {config_file} names {cfg.feature_net!r} to build the feature network, and code named "
-                      f"only by a run folder is never imported: pass {option}{cfg.feature_net} to trust it")
+                      f"only by a run folder is never imported: pass {option}{cfg.feature_net} to trust it, with "
+                      f"{module} in {TRUSTED_MODULES}")
 
 
 class Evaluator:

@@ -6,11 +6,14 @@
   penultimate layer stands in for Inception's pool features where no Inception weights can be had; its
   predictions give the class balance of the samples.
 - `TorchFeatures`: the user's own extractor (Inception, DINOv2, ...): a function that builds the module,
-  and its weights from a safetensors file, so FID proper works wherever those weights exist.
+  and its weights from a safetensors file, so FID proper works wherever those weights exist. Its module is imported
+  only if the user's own machine trusts it (ISLANDS_TRUSTED_MODULES): a config may have come from another island.
 """
 
 import hashlib
 import importlib
+import os
+import re
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -173,10 +176,34 @@ class TorchFeatures(Features):
         return self.net(x).flatten(1)
 
 
+# the allow-list of feature modules, set by the user on their own machine: comma-separated module names, each also
+# trusting the modules below it ("torchvision" trusts "torchvision.models")
+TRUSTED_MODULES = "ISLANDS_TRUSTED_MODULES"
+FACTORY = re.compile(r"(?P<module>[A-Za-z_]\w*(\.[A-Za-z_]\w*)*):(?P<function>[A-Za-z_]\w*)")
+
+
+def trusted_modules() -> list[str]:
+    return [name.strip() for name in os.environ.get(TRUSTED_MODULES, "").split(",") if name.strip()]
+
+
+def trusted_factory(factory: str, key: str = "eval.feature_net") -> tuple[str, str]:
+    """`factory` ('package.module:function') as (module, function), refused in one line unless its module is one the
+    user trusts here: a config names code, and a config may have come from another island."""
+    found = FACTORY.fullmatch(factory)
+    if found is None:
+        raise ConfigError(f"{key}: {factory!r} is not 'package.module:function'")
+    module, trusted = found["module"], trusted_modules()
+    if not any(module == name or module.startswith(f"{name}.") for name in trusted):
+        raise ConfigError(f"{key}: {factory!r} names module {module!r}, which this machine does not trust to be "
+                          f"imported: if you trust it, set {TRUSTED_MODULES}={','.join([*trusted, module])}")
+    return module, found["function"]
+
+
 def load_torch_features(factory: str, weights: str | Path, size: int | None = None,
                         channels: int | None = None) -> TorchFeatures:
-    """`factory` is 'package.module:function' returning the module; `weights` a safetensors file."""
-    module_name, _, function = factory.partition(":")
+    """`factory` is 'package.module:function' returning the module, a module the user trusts; `weights` a safetensors
+    file."""
+    module_name, function = trusted_factory(factory)
     try:
         build = getattr(importlib.import_module(module_name), function)
     except (ImportError, AttributeError, ValueError) as err:
