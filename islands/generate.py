@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from islands.config import Config, SampleConfig, revalidate
@@ -35,6 +34,7 @@ from islands.parallel import launch
 from islands.rundir import atomic_write, checkpoint_weights, describe_run, latest_checkpoint
 from islands.train.captions import encode_captions, open_run_text_encoder, recorded_text_encoder
 from islands.train.latents import open_data_space
+from islands.untrusted import WithoutInitialisation
 
 
 def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser, Config, dict]:
@@ -52,25 +52,11 @@ def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser,
     return NetworkDenoiser(net, path, cfg.flow.prediction), cfg, info
 
 
-class _WithoutInitialisation(TorchFunctionMode):
-    """Inside, initialisers leave their tensor as it is: weights about to be loaded need no values, and no global
-    random numbers are drawn. Some of torch.nn.init's functions come here themselves, the others as their random
-    fills."""
-
-    FILLS = (torch.Tensor.uniform_, torch.Tensor.normal_)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.FILLS or getattr(func, "__module__", None) == "torch.nn.init":
-            return args[0] if args else kwargs["tensor"]  # nn.init hands it over by name
-        return func(*args, **kwargs)
-
-
 def uninitialised_network(model_cfg, shape: tuple, num_classes: int, device="cpu") -> torch.nn.Module:
     """The network built on `device` without initialising it (no time spent, no global random numbers drawn), for
     weights about to be loaded. Not on the meta device: torch computes some meta tensors in Python (normal_, arange),
     whose first use imports torch._dynamo, 1 to 4 s of every `islands sample` on a 2-core CPU."""
-    with torch.device(device), _WithoutInitialisation():
+    with torch.device(device), WithoutInitialisation():
         return build_network(model_cfg, shape, num_classes)
 
 

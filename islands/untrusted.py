@@ -17,6 +17,7 @@ import struct
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from islands.errors import DataError
 
@@ -69,6 +70,20 @@ def parameters_in(paths) -> int:
     return sum(math.prod(shape) for path in paths for _, shape in safetensors_tensors(path).values())
 
 
+class WithoutInitialisation(TorchFunctionMode):
+    """Inside, initialisers leave their tensor as it is: weights about to be loaded need no values, and no global
+    random numbers are drawn (nor, on the meta device, torch._dynamo imported for the meta kernels of the random
+    fills). Some of torch.nn.init's functions come here themselves, the others as their random fills."""
+
+    FILLS = (torch.Tensor.uniform_, torch.Tensor.normal_)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FILLS or getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]  # nn.init hands it over by name
+        return func(*args, **kwargs)
+
+
 class TooLarge(DataError):
     """A network's construction registered more parameters than its weights file holds."""
 
@@ -96,10 +111,12 @@ def parameter_budget(limit: int, what: str):
         handle.remove()
 
 
-def check_fits(build, weights: list[Path], what: str) -> None:
-    """Build the network `build()` makes on the meta device (nothing allocated) under the budget of the parameters in
-    `weights`; a config that implies more, or that its class cannot build at all, is refused in one line."""
-    with torch.device("meta"), parameter_budget(parameters_in(weights), what):
+def check_fits(build, weights: list[Path] | int, what: str) -> None:
+    """Build the network `build()` makes on the meta device (nothing allocated, nothing initialised) under the budget
+    of the parameters in `weights` (safetensors files, or their count); a config that implies more, or that its class
+    cannot build at all, is refused in one line."""
+    limit = weights if isinstance(weights, int) else parameters_in(weights)
+    with torch.device("meta"), WithoutInitialisation(), parameter_budget(limit, what):
         try:
             build()
         except TooLarge:

@@ -211,3 +211,17 @@ def test_sampling_writes_over_its_own_samples_only(made, capsys):
     assert "holds files that islands sample did not write" in capsys.readouterr().err
     assert sorted(p.name for p in theirs.iterdir()) == ["grid.png"]
     assert (theirs / "grid.png").read_bytes() == b"a person's picture"
+
+
+def test_an_ensemble_member_larger_than_its_weights_is_refused_before_it_is_built(made, tmp_path, capsys):
+    """Issue 35.5: a copied ensemble.json may name any size; the member is built on the meta device under its
+    weights' parameter count first, so a hidden width of 10^6 is one line, not gigabytes allocated."""
+    copy = tmp_path / "ensemble"
+    shutil.copytree(made["ensemble"], copy)
+    manifest = json.loads((copy / "ensemble.json").read_text())
+    manifest["experts"][0]["model"]["hidden"] = 1_000_000
+    (copy / "ensemble.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["sample", str(copy), "--num", "2", "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "implies more than the" in err and "parameters its weights hold" in err, err

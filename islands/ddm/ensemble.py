@@ -27,11 +27,12 @@ from islands.errors import CheckpointError, DataError, IslandsWarning
 from islands.flow.denoiser import NetworkDenoiser
 from islands.flow.paths import PATH_OPTIONS, build_path
 from islands.generate import network_with_weights
+from islands.nets import build_network
 from islands.nets.router import route
 from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, weights_file
 from islands.train.captions import recorded_text_encoder
 from islands.train.latents import recorded_sha256
-from islands.untrusted import file_sha256, inside
+from islands.untrusted import check_fits, file_sha256, inside
 
 MANIFEST = "ensemble.json"
 PRIOR_TOLERANCE = 1e-6  # a prior's shares, written as sizes / their sum, sum to 1 within rounding
@@ -223,8 +224,13 @@ def _verified(root: Path, entry: dict) -> tuple[bool, str]:
 
 
 def member_network(entry: dict, weights: dict, device) -> torch.nn.Module:
+    """The network a manifest entry describes, holding `weights`; built only as large as they are (an ensemble folder
+    copied from elsewhere may name any size), checked on the meta device first."""
     model_cfg = validate({"run_dir": ".", "model": entry["model"]}).model
-    return network_with_weights(model_cfg, tuple(entry["shape"]), entry["num_classes"], weights, device)
+    shape, classes = tuple(entry["shape"]), entry["num_classes"]
+    check_fits(lambda: build_network(model_cfg, shape, classes), sum(w.numel() for w in weights.values()),
+               f"the model of {entry.get('name', 'a member')}")
+    return network_with_weights(model_cfg, shape, classes, weights, device)
 
 
 def _expert(root: Path, entry: dict, device) -> NetworkDenoiser:
