@@ -111,17 +111,28 @@ def parameter_budget(limit: int, what: str):
         handle.remove()
 
 
-def check_fits(build, weights: list[Path] | int, what: str) -> None:
+# Parameters registered while a network is built may exceed those it ends with (a layer made, then replaced; T5's
+# shared embedding registered by each tower): the budget stops a runaway at this many times the weights' count, and
+# the network built is then held to the count exactly.
+REGISTRATIONS = 4
+
+
+def check_fits(build, weights: list[Path] | int, what: str, exact: bool = True) -> None:
     """Build the network `build()` makes on the meta device (nothing allocated, nothing initialised) under the budget
     of the parameters in `weights` (safetensors files, or their count); a config that implies more, or that its class
-    cannot build at all, is refused in one line."""
+    cannot build at all, is refused in one line. Without `exact`, only a runaway is (the loader then names the
+    tensors that do not fit)."""
     limit = weights if isinstance(weights, int) else parameters_in(weights)
-    with torch.device("meta"), WithoutInitialisation(), parameter_budget(limit, what):
+    with torch.device("meta"), WithoutInitialisation(), parameter_budget(REGISTRATIONS * limit, what):
         try:
-            build()
+            net = build()
         except TooLarge:
             raise
         except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, OverflowError, MemoryError,
                 SystemError) as err:
             reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise DataError(f"{what} cannot be built: {reason}") from None
+    built = sum(p.numel() for p in net.parameters()) if isinstance(net, torch.nn.Module) else 0
+    if exact and built > limit:
+        raise TooLarge(f"{what} implies {built:,} parameters, more than the {limit:,} its weights hold: refused "
+                       "before it is built (a config the weights do not fit)")

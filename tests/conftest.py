@@ -37,6 +37,17 @@ def run_ranks(argv: list[str], nproc: int = 2, timeout: float = 240) -> list[sub
     return run_local_ranks([sys.executable, "-m", "islands", *argv], nproc, timeout)
 
 
+def rerecorded(ckpt) -> None:
+    """A checkpoint whose files a test changed on purpose, its state.json's record of them rewritten to match (what
+    an attacker who rewrote the record too would leave, or a test that moves weights by hand)."""
+    import json
+
+    from islands.rundir import checkpoint_files
+
+    state = json.loads((ckpt / "state.json").read_text())
+    (ckpt / "state.json").write_text(json.dumps({**state, "files": checkpoint_files(ckpt)}))
+
+
 def write_config(path, cfg: dict) -> str:
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
@@ -173,7 +184,7 @@ def poisoned_npz(path, x: np.ndarray, y: np.ndarray, steps, batch: int, seed: in
     import itertools
 
     from islands.data.loader import stream_loader
-    from islands.data.sources import build_source
+    from islands.data.registry import build_source
 
     np.savez(path, x=x, y=y)
     order = stream_loader(build_source("npz", path=path), batch, seed, start=0, rank=rank, world=world).batch_sampler

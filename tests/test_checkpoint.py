@@ -7,13 +7,12 @@ import pickletools
 import pytest
 import torch
 import yaml
-from conftest import write_config
+from conftest import rerecorded, write_config
 from hostile import flip_byte_in_place
 
 from islands.cli import main
 from islands.errors import CheckpointError
 from islands.rundir import (
-    checkpoint_files,
     latest_checkpoint,
     list_checkpoints,
     load_weights,
@@ -90,13 +89,6 @@ def a_run_with_one_checkpoint(tmp_path) -> tuple[str, object]:
         "train": {"images": 64, "batch_size": 32, "checkpoint_every": 64, "sample_every": 0}})
     assert main(["train", config, "--quiet"]) == 0
     return config, latest_checkpoint(tmp_path / "run")
-
-
-def rerecorded(ckpt) -> None:
-    """The attacker rewrote state.json's record of the files too: the hashes pass, and the readers behind them must
-    still refuse what the files hold."""
-    state = json.loads((ckpt / "state.json").read_text())
-    (ckpt / "state.json").write_text(json.dumps({**state, "files": checkpoint_files(ckpt)}))
 
 
 def calling(module: str, name: str, arg: str) -> bytes:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import emoji_or_skip, tiny_unet_config, write_config
+from conftest import emoji_or_skip, rerecorded, tiny_unet_config, write_config
 from test_checkpoint import a_run_with_one_checkpoint
 from test_diffusers_nets import TEXT_CLASSES, emoji_diffusers_run, model_config
 
@@ -342,6 +342,7 @@ def test_a_text_conditioned_export_samples_prompts_under_guidance_in_plain_diffu
     for key in [k for k in weights if k.startswith("text.null_")]:
         weights[key] = torch.randn(weights[key].shape, generator=gen)
     save_weights(weights, ema)
+    rerecorded(ema.parent)
     assert main(["export", str(run), str(tmp_path / "out")]) == 0
     prompts_sample_alike(run, tmp_path, TEXT_LOOP)
 
@@ -364,6 +365,7 @@ def made_far_from_its_start(run: Path) -> None:
     for key in [k for k in weights if weights[k].is_floating_point()]:
         weights[key] = weights[key] + 0.1 * torch.randn(weights[key].shape, generator=gen)
     save_weights(weights, ema)
+    rerecorded(ema.parent)
 
 
 @pytest.mark.parametrize("arch", OWN_NETWORKS)

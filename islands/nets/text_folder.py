@@ -33,7 +33,7 @@ import torch
 from islands.errors import ConfigError, DataError
 from islands.nets.text_encoder import TransformersTextEncoder
 from islands.nets.vae_folder import listing_sha256
-from islands.untrusted import TooLarge, inside, parameter_budget, parameters_in
+from islands.untrusted import check_fits, inside
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 PICKLED = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -52,10 +52,6 @@ ARCHITECTURES = {"BertModel": "mean", "RobertaModel": "mean", "XLMRobertaModel":
 TRANSFORMER, POOLING, NORMALIZE = (f"sentence_transformers.models.{m}" for m in ("Transformer", "Pooling", "Normalize"))
 POOLING_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 
-# transformers registers a table that several modules share once for each while it builds a model (a T5's embedding
-# three times), so a model is built on the meta device under a multiple of its weights' parameters: enough to stop a
-# config of a billion layers at once; what loading then leaves out or finds extra is refused by name
-REGISTRATIONS = 4
 # a caption with a character no vocabulary holds: a tokenizer without its unknown token fails on it
 PROBE = "a probe caption \U0001fae0"
 
@@ -269,13 +265,13 @@ def _check_fits(checked: ModelFolder, model_class, weights: list[Path]) -> None:
     """The model the folder's config describes, built on the meta device under a budget of its weights' parameters:
     a config they do not fit is refused in one line before anything is allocated."""
     what = f"text encoder folder {checked.path}: {CONFIG}"
-    with torch.device("meta"), parameter_budget(REGISTRATIONS * parameters_in(weights), what):
-        try:
-            model_class(model_class.config_class.from_dict(checked.config))
-        except TooLarge:
-            raise
-        except Exception as err:  # transformers' configs check their fields with exceptions of their own
-            raise DataError(f"{what} cannot be built: {_one_line(err)}") from None
+    try:
+        check_fits(lambda: model_class(model_class.config_class.from_dict(checked.config)), weights, what,
+                   exact=False)
+    except DataError:  # TooLarge, or what check_fits said in one line already
+        raise
+    except Exception as err:  # transformers' configs check their fields with exceptions of their own
+        raise DataError(f"{what} cannot be built: {_one_line(err)}") from None
 
 
 def _token_rows(model) -> int:
