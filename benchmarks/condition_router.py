@@ -16,11 +16,11 @@ import torch
 from benchmarks.common import save, setup, table
 from islands.config import validate
 from islands.data import build_data
+from islands.data.captions import caption_table
 from islands.data.sources import _ArraySource
 from islands.ddm.condition_router import fit_condition_router
 from islands.ddm.partition import partition
 from islands.nets.text_folder import bundled_text_encoder
-from islands.train.captions import caption_table
 
 K, TOKENS, SEED = 4, 32, 0
 

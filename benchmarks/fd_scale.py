@@ -25,17 +25,18 @@ class Corrupted(Source):
 
     def __init__(self, source: Source, noise: float | None):
         self.source, self.noise = source, noise
-        self.shape, self.num_classes, self.flip = source.shape, source.num_classes, False
+        self.shape, self.num_classes, self.flip, self.holds = source.shape, source.num_classes, False, source.holds
 
     def __len__(self):
         return len(self.source)
 
-    def get(self, indices):
-        x, y = self.source.get(indices)
+    def read(self, indices, fields):
+        got = self.source.read(indices, fields)
         g = torch.Generator().manual_seed(NOISE_SEED + indices[0])
-        if self.noise is None:
-            return torch.rand(x.shape, generator=g) * 2 - 1, y
-        return (x + self.noise * torch.randn(x.shape, generator=g)).clamp(-1, 1), y
+        x = got["x"]
+        got["x"] = torch.rand(x.shape, generator=g) * 2 - 1 if self.noise is None else \
+            (x + self.noise * torch.randn(x.shape, generator=g)).clamp(-1, 1)
+        return got
 
 
 def run() -> dict:

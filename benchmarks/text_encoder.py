@@ -18,9 +18,9 @@ from benchmarks.common import THREADS, autocast, cpu_seconds, median, others_sha
 from islands.config import validate
 from islands.data import build_data
 from islands.data.batch import Batch
+from islands.data.captions import encode_captions
 from islands.nets import build_network
 from islands.nets.text_folder import bundled_text_encoder
-from islands.train.captions import encode_captions
 from islands.train.objectives import build_objective
 
 BATCH, STEPS, ROUNDS, TOKENS = 32, 10, 3, 32

@@ -185,16 +185,16 @@ def _write_shards(args, autoencoder: str | None = None, text_encoder: str | None
     try:
         writer = None
         if autoencoder is not None:
+            from islands.data.encode import LatentWriter
             from islands.nets.vae_folder import load_autoencoder
-            from islands.train.encode import LatentWriter
 
             loaded = load_autoencoder(autoencoder, device=world.device)
             with config_errors("data"):  # images the autoencoder cannot encode
                 writer = LatentWriter(source, loaded, args.batch_size, world.device, cfg.data.flip)
         if text_encoder is not None:
+            from islands.data.captions import CaptionWriter
             from islands.data.shards import ExampleWriter
             from islands.nets.text_folder import open_text_encoder
-            from islands.train.captions import CaptionWriter
 
             if not source.captioned:
                 raise ConfigError(f"--text-encoder: the data ({cfg.data.source}) has no captions")
@@ -319,7 +319,7 @@ def _plan(args) -> int:
         classes = args.classes if args.classes is not None else cfg.model.num_classes or 0
     else:
         from islands.data import build_data
-        from islands.train.latents import open_data_space
+        from islands.data.latents import open_data_space
 
         source = build_data(cfg.data, cfg.seed)
         space = open_data_space(cfg, Path(cfg.run_dir))  # on latents: the latents' shape, and what encoding costs

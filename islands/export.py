@@ -27,6 +27,7 @@ import yaml
 from safetensors.torch import save_file
 
 from islands import __version__, nets
+from islands.data.captions import recorded_text_encoder
 from islands.errors import CheckpointError, ConfigError
 from islands.generate import load_denoiser
 from islands.nets import OWN_NETWORK_ARGUMENTS
@@ -34,7 +35,6 @@ from islands.nets.diffusers_net import NULL_CAPTION
 from islands.nets.diffusers_wrapper import PACKAGE, SHIPPED
 from islands.nets.text_folder import text_pooling
 from islands.rundir import CONFIG, describe_run, latest_checkpoint, weights_file
-from islands.train.captions import recorded_text_encoder
 from islands.untrusted import file_sha256
 
 # the folder each class's pipelines read it from

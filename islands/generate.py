@@ -23,6 +23,8 @@ from tqdm import tqdm
 
 from islands.config import Config, SampleConfig, revalidate
 from islands.data import streams
+from islands.data.captions import encode_captions, open_run_text_encoder, recorded_text_encoder
+from islands.data.latents import open_data_space
 from islands.data.space import PIXELS, DataSpace
 from islands.errors import CheckpointError, ConfigError, IslandsWarning
 from islands.flow.denoiser import Denoiser, NetworkDenoiser
@@ -32,8 +34,6 @@ from islands.images import save_samples_picture
 from islands.nets import build_network
 from islands.parallel import launch
 from islands.rundir import atomic_write, checkpoint_weights, describe_run, latest_checkpoint
-from islands.train.captions import encode_captions, open_run_text_encoder, recorded_text_encoder
-from islands.train.latents import open_data_space
 from islands.untrusted import WithoutInitialisation
 
 

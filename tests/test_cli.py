@@ -142,7 +142,7 @@ def test_every_subcommand_explains_every_option():
     parser = build_parser()
     subparsers = parser._subparsers._group_actions[0].choices
     assert set(subparsers) == {"train", "sample", "eval", "partition", "shard", "encode", "ddm", "distill", "plan",
-                               "report", "export", "import"}
+                               "report", "export", "import", "index", "verify"}
     for name, sub in subparsers.items():
         text = sub.format_help()
         for action in sub._actions:

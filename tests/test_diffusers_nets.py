@@ -17,13 +17,13 @@ from test_autoencoder import folder_digest
 from islands.cli import main
 from islands.config import DIFFUSERS_CLASSES, validate
 from islands.data import build_data
+from islands.data.captions import caption_table
 from islands.nets import build_network
 from islands.nets.condition import pack_text
 from islands.nets.diffusers_net import ADAPTERS, load_pretrained
 from islands.nets.text_folder import bundled_text_encoder
 from islands.parallel.activation_checkpointing import checkpoint_blocks
 from islands.rundir import latest_checkpoint, load_weights
-from islands.train.captions import caption_table
 from islands.trainer import train
 
 # tiny constructor arguments of each class (the data's channels and size, and the text widths, are filled in)

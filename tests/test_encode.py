@@ -11,11 +11,11 @@ from test_latents import saved_vae
 from islands.cli import main
 from islands.config import load_config, validate
 from islands.data import build_data
-from islands.data.loader import stream_loader
+from islands.data.latents import open_data_space
+from islands.data.loader import training_batches
 from islands.nets import build_network
 from islands.nets.vae_folder import load_autoencoder
 from islands.rundir import latest_checkpoint, load_weights
-from islands.train.latents import open_data_space
 from islands.trainer import train
 
 
@@ -91,11 +91,10 @@ def test_a_run_on_stored_latents_trains_as_the_on_the_fly_run_and_resumes_bit_id
     seen = {}
     for name, cfg in runs.items():
         space = open_data_space(cfg, tmp_path / name)
-        loader = stream_loader(build_data(cfg.data, cfg.seed), 16, cfg.seed, start=16,
-                               flip=space.loader_flip(cfg.data.flip), draws=space.loader_draws)
-        batch = next(iter(loader))
-        assert batch.noise is None and batch.u_time is None  # none drawn at a shape the encoding throws away
-        seen[name] = space.encode(batch).x
+        batch = next(training_batches(build_data(cfg.data, cfg.seed), space, 16, cfg.seed, "cpu", cfg.data.flip,
+                                      start=16))
+        assert batch.noise.shape == (16, 2, 4, 4) and batch.flip is None  # drawn at the latents' shape; flips applied
+        seen[name] = batch.x
     assert seen["stored"].shape == (16, 2, 4, 4)
     torch.testing.assert_close(seen["stored"], seen["fly"], rtol=1e-5, atol=1e-5)
     # and so the runs, to float rounding: the encoder ran on other batches of images (and Adam's first steps, which

@@ -27,19 +27,19 @@ from islands.trainer import train
 class Subset(Source):
     def __init__(self, source: Source, n: int, noise: float = 0.0, uniform: bool = False):
         self.source, self.n, self.noise, self.uniform = source, n, noise, uniform
-        self.shape, self.num_classes, self.flip = source.shape, source.num_classes, False
+        self.shape, self.num_classes, self.flip, self.holds = source.shape, source.num_classes, False, source.holds
 
     def __len__(self):
         return self.n
 
-    def get(self, indices):
-        x, y = self.source.get(indices)
+    def read(self, indices, fields):
+        got = self.source.read(indices, fields)
         g = torch.Generator().manual_seed(len(indices))
         if self.uniform:
-            x = torch.rand(x.shape, generator=g) * 2 - 1
+            got["x"] = torch.rand(got["x"].shape, generator=g) * 2 - 1
         elif self.noise:
-            x = (x + self.noise * torch.randn(x.shape, generator=g)).clamp(-1, 1)
-        return x, y
+            got["x"] = (got["x"] + self.noise * torch.randn(got["x"].shape, generator=g)).clamp(-1, 1)
+        return got
 
 
 @pytest.fixture(scope="module")
@@ -327,3 +327,19 @@ def test_sampling_time_counts_the_producer_not_the_consumer():
     for _ in timed(slow_batches(), clock):
         time.sleep(0.2)  # scoring the batch: not sampling
     assert 0.15 <= clock["seconds"] < 0.35, clock
+
+
+def test_a_run_that_evaluates_with_an_untrusted_module_stops_before_it_trains(tmp_path, capsys, monkeypatch):
+    """The trainer builds its feature network at its first evaluation; a module this machine does not trust is
+    refused at the start instead, before a step is spent or a checkpoint written (issue 35, item 1)."""
+    factory = a_feature_module(tmp_path, "untrusted_features")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "untrusted_features", raising=False)
+    monkeypatch.delenv("ISLANDS_TRUSTED_MODULES", raising=False)
+    cfg = gmm_config(tmp_path / "run", every=640)
+    cfg["eval"].update(features="torch", feature_net=factory, feature_weights=str(tmp_path / "w.safetensors"))
+    assert main(["train", write_config(tmp_path / "c.yaml", cfg), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "set ISLANDS_TRUSTED_MODULES=untrusted_features" in err, err
+    assert not (tmp_path / "imported").exists()  # never imported, not even to look
+    assert latest_checkpoint(tmp_path / "run") is None

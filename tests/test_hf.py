@@ -16,7 +16,7 @@ from PIL import Image
 from islands.cli import main
 from islands.config import captioned, validate
 from islands.data import build_data
-from islands.data.sources import build_source
+from islands.data.registry import build_source
 from islands.errors import DataError
 from islands.rundir import latest_checkpoint, list_checkpoints, load_weights
 from islands.trainer import train

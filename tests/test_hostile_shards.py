@@ -17,8 +17,8 @@ from islands.cli import main
 from islands.config import validate
 from islands.data import build_data
 from islands.data.fingerprint import data_fingerprint
+from islands.data.registry import build_source
 from islands.data.shards import ShardSource, digests_name, index_name, shard_name, whole_sha256
-from islands.data.sources import build_source
 from islands.errors import DataError
 from islands.rundir import BUILDING_MARKER
 from islands.untrusted import file_sha256

@@ -16,12 +16,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from islands.cli import main
 from islands.config import load_config
 from islands.data import build_data
+from islands.data.latents import StoredLatents
 from islands.data.sources import Source
 from islands.ddm.partition import Partition, partition
 from islands.ddm.sampling import open_sampler
 from islands.generate import generate
 from islands.nets.vae_folder import load_autoencoder
-from islands.train.latents import StoredLatents
 
 
 def latent_ensemble_config(tmp_path, data_path, vae, **sections) -> str:
@@ -102,12 +102,13 @@ class Means(Source):
     def __init__(self, stored):
         x, y = stored.get(range(len(stored)))
         self.x, self.y, self.shape, self.num_classes = x[:, :2], y, (2, 4, 4), stored.num_classes
+        self.holds = frozenset({"x", "label"})
 
     def __len__(self):
         return len(self.x)
 
-    def get(self, indices):
-        return self.x[list(indices)], self.y[list(indices)]
+    def read(self, indices, fields):
+        return {"x": self.x[list(indices)], "label": self.y[list(indices)]}
 
 
 def test_stored_latents_are_partitioned_by_their_means_without_a_decoder_pass(tmp_path, image_npz, monkeypatch):

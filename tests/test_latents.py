@@ -12,13 +12,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from islands.cli import main
 from islands.config import load_config
+from islands.data.latents import LatentStage
 from islands.errors import DataError
 from islands.generate import generate, load_denoiser, open_run
 from islands.nets import build_network
 from islands.nets.autoencoder import autoencoder_kl
 from islands.nets.vae_folder import load_autoencoder
 from islands.rundir import latest_checkpoint, load_weights
-from islands.train.latents import LatentStage
 from islands.train.logbook import read_metrics
 from islands.trainer import train
 

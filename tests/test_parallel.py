@@ -24,7 +24,7 @@ from conftest import poisoned_npz
 
 from islands.config import validate
 from islands.data.loader import stream_loader
-from islands.data.sources import build_source
+from islands.data.registry import build_source
 from islands.errors import TrainingStopped
 from islands.nets import build_network
 from islands.parallel.costs import bytes_per_step

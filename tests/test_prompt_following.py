@@ -62,15 +62,14 @@ def test_the_held_out_fifth_is_chosen_by_the_caption_alone():
 class Coloured(_ArraySource):
     """Squares of one colour each, captioned by it: a judge can only rank a colour it never saw by its words."""
 
-    captioned = True
-
     def __init__(self, names: list[str], rgb: list[tuple]):
         x = torch.tensor(rgb, dtype=torch.float32)[:, :, None, None].expand(-1, -1, 8, 8).clone() * 2 - 1
         super().__init__(x, None, 0)
-        self.names = names
+        self.names, self.holds = names, self.holds | {"caption"}
 
-    def captions(self, indices):
-        return [self.names[i] for i in indices]
+    def read(self, indices, fields):
+        return {**super().read(indices, fields), **({"caption": [self.names[i] for i in indices]}
+                                                     if "caption" in fields else {})}
 
 
 def test_the_contrastive_judge_learns_which_caption_goes_with_which_image():

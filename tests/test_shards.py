@@ -16,8 +16,9 @@ from islands.config import validate
 from islands.data import build_data
 from islands.data.clusters import ClusterSubset
 from islands.data.loader import stream_loader
+from islands.data.registry import build_source
 from islands.data.shards import ShardSource, write_manifest, write_part
-from islands.data.sources import _ArraySource, build_source
+from islands.data.sources import _ArraySource
 from islands.ddm.partition import partition
 from islands.rundir import latest_checkpoint, load_weights
 from islands.trainer import train
@@ -126,9 +127,9 @@ def test_a_killed_stream_resumes_at_the_next_image_on_other_ranks_and_workers(im
 class Counting(ShardSource):
     """Shards that remember which examples this process read."""
 
-    def get(self, indices):
-        self.read = [*getattr(self, "read", []), *indices]
-        return super().get(indices)
+    def read(self, indices, fields):
+        self.seen = [*getattr(self, "seen", []), *indices]
+        return super().read(indices, fields)
 
 
 def test_each_rank_reads_its_own_share_of_each_epoch(npz_shards):
@@ -137,7 +138,7 @@ def test_each_rank_reads_its_own_share_of_each_epoch(npz_shards):
         loader = iter(stream_loader(source, 16, seed=5, rank=rank, world=4))
         for _ in range(4):  # one epoch: 64 examples in global batches of 16
             next(loader)
-    shares = [set(source.read) for source in ranks]
+    shares = [set(source.seen) for source in ranks]
     assert all(len(share) == 16 for share in shares)
     assert set.union(*shares) == set(range(64))  # disjoint, and together the whole epoch
 

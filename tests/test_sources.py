@@ -11,6 +11,7 @@ import torch
 from conftest import fashion_mnist_or_skip
 from PIL import Image
 
+from islands.data.registry import build_source
 from islands.data.sources import (
     ArrayFile,
     DataError,
@@ -18,7 +19,6 @@ from islands.data.sources import (
     ImageFolder,
     Mnist5k,
     Source,
-    build_source,
     has_captions,
     read_idx,
 )

@@ -156,16 +156,17 @@ def test_caption_embeddings_stored_by_islands_encode_train_without_the_text_enco
                  "--shard-size", "10", "--quiet"]) == 0
     # what islands encode stored is what a run on the emoji encodes when it starts, caption by caption
     from islands.data import build_data
+    from islands.data.captions import encode_captions
     from islands.nets.text_folder import bundled_text_encoder
-    from islands.train.captions import encode_captions
 
     stored = build_data(validate(emoji_run(tmp_path / "r")).data, 1)
     shards = build_data(validate({**emoji_run(tmp_path / "r"), "data": {"source": "shards",
                                                                          "path": str(tmp_path / "sh")}}).data, 1)
     fresh = encode_captions(bundled_text_encoder(), stored.captions(range(32)), 16)
-    torch.testing.assert_close(shards.caption_embeddings(range(32)), fresh, rtol=1e-5, atol=1e-5)
+    stored_embeddings = shards.read(range(32), ("caption_embedding",))["caption_embedding"]
+    torch.testing.assert_close(stored_embeddings, fresh, rtol=1e-5, atol=1e-5)
     # a run on the shards is text-conditioned by them and never opens the text encoder
-    monkeypatch.setattr("islands.train.captions.open_text_encoder", lambda *a, **k: pytest.fail("encoder opened"))
+    monkeypatch.setattr("islands.data.captions.open_text_encoder", lambda *a, **k: pytest.fail("encoder opened"))
     run = {**emoji_run(tmp_path / "on-shards", images=16), "data": {"source": "shards", "path": str(tmp_path / "sh")}}
     assert main(["train", write_config(tmp_path / "s.yaml", run), "--quiet"]) == 0
     assert (tmp_path / "on-shards" / "text_encoder.json").exists()
@@ -309,10 +310,10 @@ def test_a_partition_by_text_clusters_the_captions_pooled_embeddings(tmp_path):
     emoji_or_skip()
     from islands.config import load_config
     from islands.data import build_data
+    from islands.data.captions import encode_captions
     from islands.data.sources import _ArraySource
     from islands.ddm.partition import Partition, partition
     from islands.nets.text_folder import bundled_text_encoder
-    from islands.train.captions import encode_captions
 
     raw = emoji_run(tmp_path / "ens")
     raw["data"]["limit"] = 64
@@ -370,10 +371,10 @@ def test_features_both_clusters_pixels_beside_captions_and_text_runs_default_to_
     emoji_or_skip()
     from islands.config import load_config
     from islands.data import build_data
+    from islands.data.captions import encode_captions
     from islands.data.sources import _ArraySource
     from islands.ddm.partition import Partition, partition
     from islands.nets.text_folder import bundled_text_encoder
-    from islands.train.captions import encode_captions
 
     raw = emoji_run(tmp_path / "ens")
     raw["data"]["limit"] = 64
@@ -409,19 +410,22 @@ def test_features_of_captions_on_a_run_without_text_are_refused(tmp_path, image_
 
 def colour_squares():
     """64 red squares captioned "a red square" and 64 blue ones "a blue square", 3x8x8, a little noise on each."""
-    from islands.data.sources import _ArraySource
+    from islands.data.sources import CAPTION, _ArraySource
 
     class Captioned(_ArraySource):
-        captioned = True
-
-        def captions(self, indices):
-            return ["a red square" if int(i) < 64 else "a blue square" for i in indices]
+        def read(self, indices, fields):
+            got = super().read(indices, fields)
+            if CAPTION in fields:
+                got[CAPTION] = ["a red square" if int(i) < 64 else "a blue square" for i in indices]
+            return got
 
     gen = torch.Generator().manual_seed(0)
     red, blue = torch.tensor([0.9, -0.9, -0.9]), torch.tensor([-0.9, -0.9, 0.9])
     colours = torch.stack([red] * 64 + [blue] * 64).reshape(128, 3, 1, 1).expand(128, 3, 8, 8)
     x = (colours + 0.05 * torch.randn(128, 3, 8, 8, generator=gen)).clamp(-1, 1)
-    return Captioned(x.contiguous(), None, 0)
+    squares = Captioned(x.contiguous(), None, 0)
+    squares.holds = squares.holds | {CAPTION}
+    return squares
 
 
 def test_guidance_moves_samples_toward_their_prompt(tmp_path, monkeypatch):

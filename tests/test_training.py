@@ -12,7 +12,7 @@ from islands.data import streams
 from islands.data.batch import Batch
 from islands.data.gmm import GaussianMixture
 from islands.data.loader import stream_loader
-from islands.data.sources import build_source
+from islands.data.registry import build_source
 from islands.errors import CheckpointError, IslandsWarning, TrainingStopped
 from islands.generate import generate, load_denoiser
 from islands.nets import build_network
@@ -142,7 +142,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_keeping_the_last_good_c
     with pytest.raises(TrainingStopped, match="3 steps in a row with non-finite.*000000000048"):
         train(cfg, progress=False)
     model, ema, state = _weights(tmp_path / "nan")
-    assert state["progress"]["images"] == 48 and state["progress"]["skipped"] == 0
+    assert state["images"] == 48 and state["skipped"] == 0
     assert all(torch.isfinite(t).all() for t in [*model.values(), *ema.values()])
 
 
@@ -247,7 +247,7 @@ def test_loader_workers_and_fp16_loss_scaling(tmp_path, image_npz):
     model, _, state = _weights(run_dir)
     assert all(torch.isfinite(t).all() for t in model.values())
     scaler = read_trainer(latest_checkpoint(run_dir))["scaler"]
-    assert scaler["scale"] > 0 and state["progress"]["images"] == 96
+    assert scaler["scale"] > 0 and state["images"] == 96
     assert read_metrics(run_dir)[-1]["loss"] < 10
 
 

@@ -17,11 +17,11 @@ from test_text_encoder import tiny_folder
 
 from islands.cli import main
 from islands.config import DIFFUSERS_CLASSES, validate
+from islands.data.latents import open_data_space, record_data_space
 from islands.errors import DataError
 from islands.nets.diffusers_net import ADAPTERS
 from islands.nets.text_folder import load_text_encoder
 from islands.nets.vae_folder import WEIGHTS, load_autoencoder, read_config
-from islands.train.latents import open_data_space, record_data_space
 
 
 @contextlib.contextmanager

@@ -1,10 +1,11 @@
 """Data sources, the Gaussian-mixture source, and the stream-ordered loader."""
 
 from islands.data.clusters import ClusterLabelled, ClusterSubset, read_clusters
-from islands.data.conditions import WithConditions
+from islands.data.conditions import WithCaptionEmbeddings
 from islands.data.fingerprint import remembered
 from islands.data.gmm import GaussianMixture, GMMSource
-from islands.data.sources import DataError, Source, build_source
+from islands.data.registry import build_source
+from islands.data.sources import DataError, Source
 
 
 def build_data(cfg, seed: int, check: bool = False) -> Source:
@@ -33,7 +34,7 @@ def _passed(source: Source) -> str:
 def judged_on(source: Source) -> Source:
     """The data a model trained on `source` is judged against: a router's or a distilled student's examples carry
     their cluster in the label for training only; samples compare with the data itself."""
-    while isinstance(source, ClusterLabelled | WithConditions):  # and a caption's embedding, for training only
+    while isinstance(source, ClusterLabelled | WithCaptionEmbeddings):  # and a caption's embedding, for training only
         source = source.source
     return source
 

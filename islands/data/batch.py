@@ -6,10 +6,12 @@ The condition is whatever the network is conditioned on: today a class index (in
 none); a network's condition module (islands/nets/condition.py) embeds it and drops it, so nothing between the
 loader and the network needs to know its kind.
 
-The loader draws each example's noise and the uniforms behind its time and condition dropout where it reads the
-example, in its worker processes when `data.workers` > 0, so that the training step does not wait on one CPU
-generator per example; the objective maps them to its time and dropped condition. A batch built without them (a
-probe, a FLOP count, a test) is drawn from its positions on first use, to the same values.
+The loader draws each example's horizontal flip, its noise (at the shape the network sees: the data space's) and the
+uniforms behind its time and condition dropout where it reads the example, in its worker processes when
+`data.workers` > 0, so that the training step does not wait on one CPU generator per example; the data space applies
+the flip as it maps the examples into its space, and the objective maps the uniforms to its time and dropped
+condition. A batch built without them (a probe, a FLOP count, a test) is drawn from its positions on first use, to the
+same values.
 """
 
 from dataclasses import dataclass, fields, replace
@@ -29,16 +31,18 @@ class Batch:
     u_time: Tensor | None = None  # (B,) uniform in [0, 1), keyed "time": the objective's time sampler maps it to t
     u_drop: Tensor | None = None  # (B,) uniform in [0, 1), keyed "label_drop": dropped where u_drop < label_dropout
     cluster: Tensor | None = None  # (B,) int64: the example's cluster of the partition (a router's target)
+    flip: Tensor | None = None  # (B,) bool, keyed "flip": flipped where true, by the data space (then None)
 
-    def drawn(self, seed: int, conditioned: bool = True) -> "Batch":
-        """This batch with its examples' noise and uniforms (the condition-drop ones only if `conditioned`), those
-        it does not hold yet drawn from their positions, on the CPU as the loader draws them."""
+    def drawn(self, seed: int, conditioned: bool = True, shape: tuple | None = None) -> "Batch":
+        """This batch with its examples' noise (of `shape`, by default its examples') and uniforms (the condition-drop
+        ones only if `conditioned`), those it does not hold yet drawn from their positions, on the CPU as the loader
+        draws them."""
         noise, drop = self.noise is None, conditioned and self.u_drop is None
         if not (noise or drop):
             return self
         pos, draws = self.positions.tolist(), {}
         if noise:
-            draws["noise"] = streams.normal(seed, pos, tuple(self.x.shape[1:]))
+            draws["noise"] = streams.normal(seed, pos, tuple(shape or self.x.shape[1:]))
             draws["u_time"] = streams.uniform(seed, pos, "time")
         if drop:
             draws["u_drop"] = streams.uniform(seed, pos, "label_drop")
@@ -67,6 +71,12 @@ class Batch:
         """`parts` micro-batches (torch.chunk's sizes), each example keeping its position and draws."""
         pieces = {name: t.chunk(parts) for name, t in self.tensors().items()}
         return [replace(self, **{name: p[i] for name, p in pieces.items()}) for i in range(len(pieces["x"]))]
+
+    def flipped(self) -> Tensor:
+        """The examples, each mirrored (last axis) where its flip says so."""
+        if self.flip is None:
+            return self.x
+        return torch.where(self.flip.reshape(-1, *([1] * (self.x.dim() - 1))), self.x.flip(-1), self.x)
 
     @staticmethod
     def cat(batches: list["Batch"]) -> "Batch":

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from islands.data.fingerprint import data_fingerprint
-from islands.data.sources import Source
+from islands.data.sources import CLUSTER, Source, View
 from islands.errors import DataError, IslandsWarning
 from islands.rundir import read_npz
 
@@ -62,52 +62,34 @@ def read_prior_table(partition_dir: str | Path, num_classes: int) -> torch.Tenso
     return torch.where(totals > 0, table / totals.clamp_min(1), sizes / sizes.sum())
 
 
-class ClusterSubset(Source):
+class ClusterSubset(View):
     """The examples of one cluster, in their original order."""
 
     def __init__(self, source: Source, cluster: np.ndarray, k: int):
-        self.source, self.indices = source, np.flatnonzero(cluster == k)
+        super().__init__(source)
+        self.indices = np.flatnonzero(cluster == k)
         if len(self.indices) == 0:
             raise DataError(f"data.cluster: cluster {k} of the partition is empty")
-        self.shape, self.num_classes, self.flip = source.shape, source.num_classes, source.flip
-        self.quantised, self.captioned = source.quantised, source.captioned
-        self.stored_captions = source.stored_captions
 
     def __len__(self) -> int:
         return len(self.indices)
 
-    def get(self, indices):
-        return self.source.get(self.indices[np.asarray(indices, dtype=np.int64)].tolist())
-
-    def captions(self, indices):
-        return self.source.captions(self.indices[np.asarray(indices, dtype=np.int64)].tolist())
-
-    def caption_embeddings(self, indices):
-        return self.source.caption_embeddings(self.indices[np.asarray(indices, dtype=np.int64)].tolist())
+    def read(self, indices, fields) -> dict:
+        return self.source.read(self.indices[np.asarray(indices, dtype=np.int64)].tolist(), fields)
 
 
-class ClusterLabelled(Source):
-    """Every example with its class as it is, and its cluster beside it (`clusters_of`, the loader's
+class ClusterLabelled(View):
+    """Every example with its class as it is, and its cluster beside it (the field `cluster`, the loader's
     `Batch.cluster`): the router learns the cluster and may be conditioned on the class."""
 
     def __init__(self, source: Source, cluster: np.ndarray):
-        self.source, self.cluster = source, torch.from_numpy(cluster)
+        super().__init__(source)
+        self.cluster = torch.from_numpy(cluster)
         self.num_clusters = int(cluster.max()) + 1
-        self.shape, self.num_classes, self.flip = source.shape, source.num_classes, source.flip
-        self.quantised, self.captioned = source.quantised, source.captioned
-        self.stored_captions = source.stored_captions
+        self.holds = source.holds | {CLUSTER}
 
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def get(self, indices):
-        return self.source.get(indices)
-
-    def captions(self, indices):
-        return self.source.captions(indices)
-
-    def caption_embeddings(self, indices):
-        return self.source.caption_embeddings(indices)
-
-    def clusters_of(self, indices):
-        return self.cluster[torch.as_tensor(np.asarray(indices, dtype=np.int64))]
+    def read(self, indices, fields) -> dict:
+        got = self.source.read(indices, fields)
+        if CLUSTER in fields:
+            got[CLUSTER] = self.cluster[torch.as_tensor(np.asarray(indices, dtype=np.int64))]
+        return got

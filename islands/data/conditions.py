@@ -1,45 +1,24 @@
-"""A source whose examples carry a condition computed for them once, in place of their label."""
+"""A source whose examples carry a caption's embedding computed for them once (a table), or stored beside them."""
 
 import torch
 
-from islands.data.sources import Source
+from islands.data.sources import CAPTION_EMBEDDING, Source, View
 
 
-class WithConditions(Source):
-    """`source`'s examples, each with row n of `table` as its condition in place of its label (a text-conditioned
-    run: its caption's packed embedding, islands/train/captions.py)."""
+class WithCaptionEmbeddings(View):
+    """`source`'s examples, each with row n of `table` as its caption's packed embedding (a text-conditioned run:
+    encoded at its start, islands/data/captions.py); with no table, the embeddings the source itself stores
+    (`islands encode --text-encoder`). `made_by`: the digest of the encoder that computed them, for the run's record."""
 
     def __init__(self, source: Source, table: torch.Tensor | None, made_by: str | None = None):
-        self.source, self.table, self.made_by = source, table, made_by  # made_by: the sha256 of what computed them
-        self.shape, self.num_classes, self.flip = source.shape, source.num_classes, source.flip
-        self.read_from, self.quantised, self.captioned = source.read_from, source.quantised, True
+        super().__init__(source)
+        self.table, self.made_by = table, made_by
+        self.holds = source.holds | {CAPTION_EMBEDDING}
 
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def get(self, indices):
-        x, _ = self.source.get(indices)
-        return x, self.conditions(indices)
-
-    def conditions(self, indices) -> torch.Tensor:
-        """The examples' conditions alone, without reading the examples."""
-        return self.table[torch.as_tensor(list(indices), dtype=torch.long)]
-
-    def captions(self, indices) -> list[str]:
-        return self.source.captions(indices)
-
-    def clusters_of(self, indices):
-        return self.source.clusters_of(indices)
-
-    def check(self):
-        self.source.check()
-
-
-class WithStoredConditions(WithConditions):
-    """`source`'s examples, each with its caption's embedding as the shards store it beside the example."""
-
-    def __init__(self, source: Source, made_by: str):
-        super().__init__(source, None, made_by)
-
-    def conditions(self, indices) -> torch.Tensor:
-        return self.source.caption_embeddings(indices)
+    def read(self, indices, fields) -> dict:
+        if self.table is None:
+            return self.source.read(indices, fields)
+        got = self.source.read(indices, [f for f in fields if f != CAPTION_EMBEDDING])
+        if CAPTION_EMBEDDING in fields:
+            got[CAPTION_EMBEDDING] = self.table[torch.as_tensor(list(indices), dtype=torch.long)]
+        return got

@@ -30,7 +30,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont, features
 
 from islands.data.fingerprint import cache_dir
-from islands.data.sources import _ArraySource, _check_resolution
+from islands.data.sources import CAPTION, _ArraySource, _check_resolution
 from islands.errors import DataError
 from islands.rundir import read_npz
 from islands.untrusted import file_sha256
@@ -167,10 +167,13 @@ class EmojiSource(_ArraySource):
         super().__init__(torch.from_numpy(images), labels, len(self.classes))
         self.texts = [caption(e, names) for e in self.emoji]
         self.read_from = (font, emoji_test)
-        self.captioned = True
+        self.holds = self.holds | {CAPTION}
 
-    def captions(self, indices) -> list[str]:
-        return [self.texts[i] for i in np.asarray(indices, dtype=np.int64).reshape(-1)]
+    def read(self, indices, fields) -> dict:
+        got = super().read(indices, fields)
+        if CAPTION in fields:
+            got[CAPTION] = [self.texts[i] for i in np.asarray(indices, dtype=np.int64).reshape(-1)]
+        return got
 
 
 def _draw_all(listed: list[Emoji], font, resolution: int, background: int) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from islands.data.sources import Source
+from islands.data.sources import LABEL, Source, X
 
 
 class GaussianMixture:
@@ -117,6 +117,8 @@ class GMMSource(Source):
     def __len__(self) -> int:
         return self.x.shape[0]
 
-    def get(self, indices) -> tuple[Tensor, Tensor]:
+    holds = frozenset({X, LABEL})
+
+    def read(self, indices, fields) -> dict:
         idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)
-        return self.x[idx], self.y[idx]
+        return {name: values[idx] for name, values in ((X, self.x), (LABEL, self.y)) if name in fields}

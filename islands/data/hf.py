@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from islands.data.sources import Source, _check_resolution, _to_unit, fitted
+from islands.data.sources import CAPTION, LABEL, Source, X, _check_resolution, _to_unit, fitted
 from islands.errors import DataError
 
 ROW_GROUPS = 8  # parquet row groups' columns kept decompressed per process (a batch's rows spread over a few)
@@ -188,7 +188,8 @@ class HfSource(Source):
         self.caption_key = self._column(features, caption_key, "caption_key")
         self.label_key = self._column(features, label_key, "label_key")
         self._check_image_column(features[self.image_key])
-        self.captioned = self.caption_key is not None
+        self.holds = frozenset({X} | {field for field, key in ((CAPTION, self.caption_key), (LABEL, self.label_key))
+                                      if key is not None})
         if self.captioned and not _is_string(features[self.caption_key]):
             raise DataError(f"hf data {self.name}: column {self.caption_key!r} holds {features[self.caption_key]}, "
                             "not text (data.caption_key names the caption column)")
@@ -366,34 +367,30 @@ class HfSource(Source):
     def _root(self) -> str:
         return self.where if self.kind == "arrow" else os.path.dirname(self.where[0])
 
-    def get(self, indices):
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        images = self._take(idx, self.image_key)
-        x = np.stack([self._decode(v, int(i)) for v, i in zip(images, idx, strict=True)]) if len(idx) else \
-            np.zeros((0, *self.shape), dtype=np.uint8)
-        y = None
-        if self.label_key is not None:  # checked in range when the source was built
-            y = torch.tensor(self._take(idx, self.label_key), dtype=torch.int64).reshape(-1)
-        return _to_unit(torch.from_numpy(x)), y
-
-    def captions(self, indices) -> list[str]:
-        if not self.captioned:
-            return super().captions(indices)
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        found = self._take(idx, self.caption_key)
-        for i, text in zip(idx, found, strict=True):
-            if not isinstance(text, str):
-                raise DataError(f"hf data {self.name}: row {int(i)}: column {self.caption_key!r} holds no caption")
-        return [text.strip() for text in found]
+    def read(self, indices, fields) -> dict:
+        idx, got = np.asarray(indices, dtype=np.int64).reshape(-1), {}
+        if X in fields:
+            images = self._take(idx, self.image_key)
+            x = np.stack([self._decode(v, int(i)) for v, i in zip(images, idx, strict=True)]) if len(idx) else \
+                np.zeros((0, *self.shape), dtype=np.uint8)
+            got[X] = _to_unit(torch.from_numpy(x))
+        if LABEL in fields and self.label_key is not None:  # checked in range when the source was built
+            got[LABEL] = torch.tensor(self._take(idx, self.label_key), dtype=torch.int64).reshape(-1)
+        if CAPTION in fields and self.captioned:
+            found = self._take(idx, self.caption_key)
+            for i, text in zip(idx, found, strict=True):
+                if not isinstance(text, str):
+                    raise DataError(f"hf data {self.name}: row {int(i)}: column {self.caption_key!r} holds no "
+                                    "caption")
+            got[CAPTION] = [text.strip() for text in found]
+        return got
 
     def check(self):
         """Every image decoded as training will decode it, and every caption present, so that a bad row stops a run
         before its first step (remembered per state of the files, data/fingerprint.py)."""
         for lo in range(0, self.rows, 256):
             chunk = np.arange(lo, min(lo + 256, self.rows))
-            self.get(chunk)
-            if self.captioned:
-                self.captions(chunk)
+            self.read(chunk, (X, CAPTION))
 
 
 def _is_string(feature) -> bool:

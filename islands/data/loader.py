@@ -6,6 +6,11 @@ slice of it (replicas that differ in batch or update frequency read by islands.d
 this layout when they are alike). Each example keeps its position, from which its flip, noise, time and label dropout
 are drawn here, so the trajectory does not depend on W, on the accumulation count, on the loader's workers or on
 where a run was resumed.
+
+`training_batches` is the one path from a source to the objective, in this order: the source reads each example's
+fields (`Source.read`), the loader draws from its position (in its workers), and on the run's device the data space
+(`DataSpace.encode`: pixels, or an autoencoder's latents) flips and maps the examples. The trainer steps on what it
+gets.
 """
 
 from collections.abc import Iterator
@@ -16,6 +21,8 @@ from torch.utils.data import DataLoader, Dataset
 from islands.data import streams
 from islands.data.batch import Batch
 from islands.data.schedule import WorkerSchedule
+from islands.data.sources import CLUSTER, LABEL, X
+from islands.data.space import DataSpace
 
 
 class StreamOrder:
@@ -52,24 +59,25 @@ class StreamOrder:
 
 
 class StreamDataset(Dataset):
-    """Fetches examples by (index, position), applies the position-keyed horizontal flip and, if it `draws`, draws
-    each example's training randomness from its position (in the loader's workers, when it has any)."""
+    """Reads the fields of examples by (index, position), and draws from each position its horizontal flip (where
+    the data flips) and its training randomness, the noise at `shape`, the shape the network sees (in the loader's
+    workers, when it has any). `condition`: the field the network is conditioned on (a class; a caption's
+    embedding)."""
 
-    def __init__(self, source, seed: int, flip: bool, draws: bool = True):
-        self.source, self.seed, self.flip, self.draws = source, seed, flip, draws
+    def __init__(self, source, seed: int, flip: bool, shape: tuple, condition: str = LABEL):
+        self.source, self.seed, self.flip, self.shape, self.condition = source, seed, flip, shape, condition
 
     def __getitems__(self, items: list[tuple[int, int]]) -> Batch:
         indices = [i for i, _ in items]
         positions = [p for _, p in items]
-        x, y = self.source.get(indices)
-        if self.flip:
-            flip = streams.uniform(self.seed, positions, "flip") < 0.5
-            x = torch.where(flip.reshape(-1, *([1] * (x.dim() - 1))), x.flip(-1), x)
-        conditioned = y is not None
+        got = self.source.read(indices, (X, self.condition, CLUSTER))
+        condition = got.get(self.condition)
+        conditioned = condition is not None
         if not conditioned:
-            y = torch.full((len(items),), -1, dtype=torch.long)
-        batch = Batch(x, y, torch.tensor(positions, dtype=torch.long), cluster=self.source.clusters_of(indices))
-        return batch.drawn(self.seed, conditioned) if self.draws else batch
+            condition = torch.full((len(items),), -1, dtype=torch.long)
+        flip = streams.uniform(self.seed, positions, "flip") < 0.5 if self.flip else None
+        batch = Batch(got[X], condition, torch.tensor(positions, dtype=torch.long), cluster=got.get(CLUSTER), flip=flip)
+        return batch.drawn(self.seed, conditioned, self.shape)
 
 
 def _already_batched(batch):
@@ -78,16 +86,29 @@ def _already_batched(batch):
 
 def stream_loader(source, batch_size: int, seed: int, start: int = 0, rank: int = 0, world: int = 1,
                   workers: int = 0, flip: bool | None = None, schedule: WorkerSchedule | None = None, part: int = 0,
-                  parts: int = 1, own_order: bool = False, pin_memory: bool = False, draws: bool = True) -> DataLoader:
+                  parts: int = 1, own_order: bool = False, pin_memory: bool = False, shape: tuple | None = None,
+                  condition: str = LABEL) -> DataLoader:
     """Infinite loader of `Batch`es for this rank's slice of each global batch of `batch_size` images (`world`
     ranks), or, given a schedule, of replica `rank`'s batches (its `part` of `parts`); in page-locked memory with
-    `pin_memory`, for a GPU to copy asynchronously. Without `draws`, the batches come without their noise and
-    uniforms, for the objective to draw from the positions at the shape it trains on (a latent run's)."""
+    `pin_memory`, for a GPU to copy asynchronously. Their examples come as the source holds them, with the flips to
+    apply (`flip`; None: the source's own default) and the noise drawn at `shape` (None: the source's)."""
     schedule = schedule or WorkerSchedule.even(batch_size, world)
     order = StreamOrder(len(source), schedule, seed, start, rank, part, parts, own_order)
-    dataset = StreamDataset(source, seed, source.flip if flip is None else flip, draws)
+    dataset = StreamDataset(source, seed, source.flip if flip is None else flip, tuple(shape or source.shape),
+                            condition)
     # Its own generator: a DataLoader iterator otherwise draws its worker seed from the global RNG,
     # which would shift dropout masks after a resume.
     return DataLoader(dataset, batch_sampler=order, collate_fn=_already_batched, num_workers=workers,
                       prefetch_factor=4 if workers else None, generator=torch.Generator().manual_seed(seed),
                       pin_memory=pin_memory)
+
+
+def training_batches(source, space: DataSpace, batch_size: int, seed: int, device, flip: bool | None = None,
+                     **placement) -> Iterator[Batch]:
+    """A run's batches on `device`, in the space its network works in: the loader's (`stream_loader`, its keyword
+    arguments in `placement`: where in the stream and which share), each mapped by `space` (its flip applied, its
+    examples encoded) as it reaches the device."""
+    loader = stream_loader(source, batch_size, seed, flip=space.flips(flip, source.flip),
+                           shape=space.example_shape(tuple(source.shape)), **placement)
+    for batch in loader:
+        yield space.encode(batch.to(device, non_blocking=True))

@@ -13,6 +13,8 @@ the log-weight of point i is ((1 - t) <x_t, x_i> - (1 - t)^2 |x_i|^2 / 2) / t^2.
 import torch
 from torch import Tensor
 
+from islands.data.sources import CLUSTER, LABEL, X
+
 CHUNK = 4096  # training points per matmul: bounds the (batch, chunk) block of log-weights
 EXACT_POSTERIOR_LIMIT = 60_000 * 784  # numbers in the training set; above it the exact posterior is too costly
 
@@ -62,6 +64,5 @@ class ExactPosterior:
 
 def exact_cluster_posterior(source, k: int, num_classes: int = 0) -> ExactPosterior:
     """The exact posterior of a source seen through its partition (islands.data.clusters.ClusterLabelled)."""
-    every = list(range(len(source)))
-    x, labels = source.get(every)
-    return ExactPosterior(x, source.clusters_of(every), k, labels if num_classes else None, num_classes)
+    got = source.read(range(len(source)), (X, LABEL, CLUSTER))
+    return ExactPosterior(got[X], got[CLUSTER], k, got.get(LABEL) if num_classes else None, num_classes)

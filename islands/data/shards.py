@@ -43,7 +43,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from islands.data.sources import Source
+from islands.data.sources import CAPTION, CAPTION_EMBEDDING, LABEL, Source, X
 from islands.data.sources import _to_unit as to_unit
 from islands.errors import DataError, IslandsWarning
 from islands.rundir import building_folder, finish_building, refuse_foreign_building_folder, start_building
@@ -58,7 +58,7 @@ OPEN_FILES = 64  # shard files a process keeps open (least recently read closed 
 READ_CHUNK = 1024  # examples taken from the source at a time while writing
 
 
-CAPTION = "caption.npy"  # a caption's packed embedding (islands encode --text-encoder)
+CAPTION_MEMBER = "caption.npy"  # a caption's packed embedding (islands encode --text-encoder)
 
 
 def shard_name(i: int) -> str:
@@ -142,8 +142,8 @@ def write_part(source: Source, folder: Path, shard_size: int, rank: int = 0, ran
         with TarWriter(str(tar), encoder=False, mtime=0, user="islands", group="islands") as tar_writer:
             for start in range(lo, hi, READ_CHUNK):
                 chunk = list(range(start, min(hi, start + READ_CHUNK)))
-                x, y = source.get(chunk)
-                captions = source.captions(chunk) if source.captioned else None
+                got = source.read(chunk, (X, LABEL, CAPTION))
+                x, y, captions = got[X], got.get(LABEL), got.get(CAPTION)
                 for j, example in enumerate(members(x, captions)):
                     example = {"__key__": f"{start + j:09d}", **example}
                     if captions is not None:
@@ -270,10 +270,12 @@ class ShardSource(Source):
         self.member, self.quantised = m["x"], m["x"] == "png"
         # the columns of the index read: the example's arrays (one, or a latent's mean and log-variance, of the image
         # and of its flip: stacked along the channels, as `islands encode` wrote them), then its class's
-        self.arrays = [i for i, member in enumerate(m["members"]) if member not in ("txt", "cls", CAPTION)]
-        self.captioned = "txt" in m["members"]
+        self.arrays = [i for i, member in enumerate(m["members"]) if member not in ("txt", "cls", CAPTION_MEMBER)]
         # `islands encode --text-encoder`: each caption's packed embedding, a condition read apart from the example
         self.stored_captions = m.get("caption_embeddings")
+        self.holds = frozenset({X} | {field for field, there in ((LABEL, self.num_classes),
+                                                                  (CAPTION, "txt" in m["members"]),
+                                                                  (CAPTION_EMBEDDING, self.stored_captions)) if there})
         self.member_shape = (self.shape[0] // len(self.arrays), *self.shape[1:])
         self.tars = [self._file_named(s["tar"]) for s in m["shards"]]
         self.index_files = [self._file_named(s["index"]) for s in m["shards"]]
@@ -341,16 +343,25 @@ class ShardSource(Source):
         """An example as people find it in the tar: its number in the whole set (the members' key)."""
         return f"example {int(self.starts[shard]) + row}"
 
-    def get(self, indices):
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    def read(self, indices, fields) -> dict:
+        idx, got = np.asarray(indices, dtype=np.int64).reshape(-1), {}
+        if X in fields or LABEL in fields and self.num_classes:
+            got.update(self._examples(idx))
+        if CAPTION in fields and self.captioned:
+            column = self.manifest["members"].index("txt")
+            got[CAPTION] = [self._good(int(i), lambda s, r: self._caption(s, r, column)) for i in idx]
+        if CAPTION_EMBEDDING in fields and self.stored_captions is not None:
+            got[CAPTION_EMBEDDING] = self._caption_embeddings(idx)
+        return {name: value for name, value in got.items() if name in fields}
+
+    def _examples(self, idx: np.ndarray) -> dict:
         shard, rows = self._locate(idx)
         examples, labels = [None] * len(rows), np.zeros(len(rows), dtype=np.int64)
         for i in np.lexsort((rows, shard)):  # in file order: each shard read front to back
             examples[i], labels[i] = self._good(int(idx[i]), lambda s, r: self._read(s, r), count=True)
-        if not examples:
-            return torch.zeros((0, *self.shape)), (torch.zeros(0, dtype=torch.int64) if self.num_classes else None)
-        x = torch.from_numpy(np.stack(examples))
-        return (to_unit(x) if self.quantised else x), (torch.from_numpy(labels) if self.num_classes else None)
+        x = torch.from_numpy(np.stack(examples)) if examples else torch.zeros((0, *self.shape))
+        return {X: to_unit(x) if self.quantised and examples else x,
+                **({LABEL: torch.from_numpy(labels)} if self.num_classes else {})}
 
     def _good(self, index: int, read, count: bool = False):
         """read(shard, row) of example `index`; under `on_error: skip`, of the first example from `index` on (the
@@ -375,22 +386,11 @@ class ShardSource(Source):
             warnings.warn(f"skipped (data.on_error skip): {bad}" + ("; further skips are counted in metrics.jsonl "
                           "(skipped_examples)" if self._warned == SKIP_WARNINGS else ""), IslandsWarning, stacklevel=2)
 
-    def captions(self, indices) -> list[str]:
-        if not self.captioned:
-            raise DataError(f"shard folder {self.root} holds no captions: its examples have no 'txt' member (members: "
-                            f"{', '.join(self.manifest['members'])}); shard a captioned source (data.source emoji)")
-        column = self.manifest["members"].index("txt")
-        return [self._good(int(i), lambda s, r: self._caption(s, r, column)) for i in np.asarray(indices).reshape(-1)]
-
-    def caption_embeddings(self, indices) -> torch.Tensor:
+    def _caption_embeddings(self, idx: np.ndarray) -> torch.Tensor:
         """The examples' caption embeddings as `islands encode --text-encoder` stored them (packed, float32)."""
-        if self.stored_captions is None:
-            raise DataError(f"shard folder {self.root} holds no caption embeddings (no '{CAPTION}' member); encode "
-                            "them with islands encode --text-encoder")
-        column = self.manifest["members"].index(CAPTION)
+        column = self.manifest["members"].index(CAPTION_MEMBER)
         shape = tuple(self.stored_captions["shape"])
-        arrays = [self._good(int(i), lambda s, r: self._caption_embedding(s, r, column, shape))
-                  for i in np.asarray(indices).reshape(-1)]
+        arrays = [self._good(int(i), lambda s, r: self._caption_embedding(s, r, column, shape)) for i in idx]
         return torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros((0, *shape))
 
     def _caption_embedding(self, shard: int, row: int, column: int, shape: tuple) -> np.ndarray:
@@ -755,9 +755,9 @@ def _check_members(m: dict, path: Path) -> None:
     if ("cls" in members) != (m["num_classes"] > 0):
         raise DataError(f"shard manifest {path}: {m['num_classes']} classes, but 'cls' is "
                         f"{'' if 'cls' in members else 'not '}a member")
-    if ("caption_embeddings" in m) != (CAPTION in members):
-        raise DataError(f"shard manifest {path}: caption_embeddings and the member {CAPTION!r} go together")
-    arrays = [name for name in members if name not in ("txt", "cls", CAPTION)]
+    if ("caption_embeddings" in m) != (CAPTION_MEMBER in members):
+        raise DataError(f"shard manifest {path}: caption_embeddings and the member {CAPTION_MEMBER!r} go together")
+    arrays = [name for name in members if name not in ("txt", "cls", CAPTION_MEMBER)]
     if m["shape"][0] % len(arrays):
         raise DataError(f"shard manifest {path}: shape {m['shape']} does not stack its {len(arrays)} arrays "
                         f"({', '.join(arrays)}) along the channels")

@@ -40,6 +40,14 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 
 
+# An example's fields, by name: what `Source.read` gives, each for the examples asked, of those the source holds.
+X = "x"  # float32 (n, *shape): images in [-1, 1], vectors, or stored latents' posteriors
+LABEL = "label"  # int64 (n,): the class
+CAPTION = "caption"  # list of n strings
+CAPTION_EMBEDDING = "caption_embedding"  # float32 (n, ...): a caption's packed embedding (islands encode, or a table)
+CLUSTER = "cluster"  # int64 (n,): the example's cluster of a partition (a router's target)
+
+
 class Source(ABC):
     shape: tuple = ()
     num_classes: int = 0
@@ -47,30 +55,34 @@ class Source(ABC):
     read_from: tuple = ()  # the files its examples are decoded from (data/fingerprint.py remembers their hash)
     quantised: bool = False  # every example is an 8-bit image (k / 127.5 - 1): `islands shard` stores it as a PNG
     options: tuple | None = None  # everything it was built with, set by build_source (None: not known)
-    captioned: bool = False  # every example has a caption: captions(indices)
-    stored_captions: dict | None = None  # shards that hold each caption's embedding: caption_embeddings(indices)
+    holds: frozenset = frozenset({X})  # the fields `read` gives
+    stored_captions: dict | None = None  # what made the caption embeddings a source holds (islands encode's record)
 
     @abstractmethod
     def __len__(self): ...
 
     @abstractmethod
-    def get(self, indices):
-        """indices: int array -> (float32 (n, *shape), int64 (n,) or None)."""
+    def read(self, indices, fields) -> dict:
+        """indices: ints -> {name: the examples' values} for each of `fields` that the source `holds` (the others are
+        left out, and nothing is read or decoded for them)."""
 
-    def clusters_of(self, indices):
-        """The examples' clusters of a partition, int64 (n,), for a source seen through one; else None."""
-        return None
+    @property
+    def captioned(self) -> bool:
+        return CAPTION in self.holds
+
+    def get(self, indices):
+        """-> (float32 (n, *shape), int64 (n,) or None): the examples and their classes."""
+        got = self.read(indices, (X, LABEL))
+        return got[X], got.get(LABEL)
 
     def captions(self, indices) -> list[str]:
         """The captions of the examples, one string each, for a `captioned` source; any other refuses by name."""
-        name = self.options[0] if self.options else type(self).__name__
-        raise DataError(f"the {name} data has no captions (captioned data: the emoji, an image folder with NAME.txt "
-                        "beside each image or a metadata.jsonl, or shards of either)")
-
-    def caption_embeddings(self, indices):
-        """The examples' caption embeddings as stored beside them (`stored_captions` says by what); only shards that
-        `islands encode --text-encoder` wrote hold them."""
-        raise DataError(f"the {type(self).__name__} data holds no caption embeddings")
+        if not self.captioned:
+            name = self.options[0] if self.options else type(self).__name__
+            raise DataError(f"the {name} data has no captions (captioned data: the emoji, an image folder with "
+                            "NAME.txt beside each image or a metadata.jsonl, a hf dataset with a caption column, or "
+                            "shards of these)")
+        return self.read(indices, (CAPTION,))[CAPTION]
 
     def check(self):  # noqa: B027 -- a hook that only file-backed sources fill in
         """Fail now, naming the file, on an input that would stop a run when a batch
@@ -79,6 +91,26 @@ class Source(ABC):
     def __repr__(self):
         return (f"{type(self).__name__}(n={len(self)}, shape={self.shape}, "
                 f"num_classes={self.num_classes}, flip={self.flip})")
+
+
+class View(Source):
+    """A source seen through a wrapper (a cluster of it, its examples with a field added): its attributes, and its
+    fields forwarded whatever they are; a view overrides `read` only for what it changes."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.shape, self.num_classes, self.flip, self.quantised = (source.shape, source.num_classes, source.flip,
+                                                                   source.quantised)
+        self.read_from, self.holds, self.stored_captions = source.read_from, source.holds, source.stored_captions
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def read(self, indices, fields) -> dict:
+        return self.source.read(indices, fields)
+
+    def check(self):
+        self.source.check()
 
 
 # -----------------------------------------------------------------------------
@@ -134,16 +166,19 @@ class _ArraySource(Source):
         self.num_classes = num_classes
         self.flip = flip
         self.quantised = data.dtype == torch.uint8
+        self.holds = frozenset({X} if labels is None else {X, LABEL})
 
     def __len__(self):
         return len(self.data)
 
-    def get(self, indices):
-        idx = _as_index(indices)
-        x = self.data[idx]
-        x = _to_unit(x) if x.dtype == torch.uint8 else x.contiguous()
-        y = None if self.labels is None else self.labels[idx]
-        return x, y
+    def read(self, indices, fields) -> dict:
+        idx, got = _as_index(indices), {}
+        if X in fields:
+            x = self.data[idx]
+            got[X] = _to_unit(x) if x.dtype == torch.uint8 else x.contiguous()
+        if LABEL in fields and self.labels is not None:
+            got[LABEL] = self.labels[idx]
+        return got
 
 
 def _image_tensor(images_uint8, resolution):
@@ -338,7 +373,8 @@ class ImageFolder(Source):
         self.shape = (channels, self.resolution, self.resolution)
         self.flip, self.quantised = True, True
         self.caption_list = folder_captions(self.root, files, caption_key, missing_caption)
-        self.captioned = self.caption_list is not None
+        self.holds = frozenset({X} | ({LABEL} if self.labels is not None else set())
+                               | ({CAPTION} if self.caption_list is not None else set()))
 
     def __len__(self):
         return len(self.files)
@@ -352,17 +388,17 @@ class ImageFolder(Source):
         except Exception as e:  # decoders of damaged files raise all sorts of things
             raise _corrupt(path, e) from None
 
-    def get(self, indices):
-        idx = np.asarray(indices, dtype=np.int64)
-        x = np.stack([self.load(int(i)) for i in idx]) if len(idx) else \
-            np.zeros((0, *self.shape), dtype=np.uint8)
-        y = None if self.labels is None else torch.from_numpy(self.labels[idx])
-        return _to_unit(torch.from_numpy(x)), y
-
-    def captions(self, indices) -> list[str]:
-        if not self.captioned:
-            return super().captions(indices)
-        return [self.caption_list[int(i)] for i in indices]
+    def read(self, indices, fields) -> dict:
+        idx, got = np.asarray(indices, dtype=np.int64).reshape(-1), {}
+        if X in fields:
+            x = np.stack([self.load(int(i)) for i in idx]) if len(idx) else \
+                np.zeros((0, *self.shape), dtype=np.uint8)
+            got[X] = _to_unit(torch.from_numpy(x))
+        if LABEL in fields and self.labels is not None:
+            got[LABEL] = torch.from_numpy(self.labels[idx])
+        if CAPTION in fields and self.caption_list is not None:
+            got[CAPTION] = [self.caption_list[int(i)] for i in idx]
+        return got
 
     def check(self):
         """Every image decoded as training would (check='decode'), or each file
@@ -558,32 +594,3 @@ class ArrayFile(_ArraySource):
 
 
 # -----------------------------------------------------------------------------
-
-SOURCES = {
-    "mnist5k": Mnist5k,
-    "fashion_mnist": FashionMnist,
-    "folder": ImageFolder,
-    "npz": ArrayFile,
-}
-
-
-def build_source(name, **options):
-    """Construct a source by name; options are the class's keyword arguments."""
-    if name == "shards":  # its own module: the format of shards is a job apart
-        from islands.data.shards import ShardSource
-
-        source = ShardSource(**options)
-    elif name == "emoji":  # its own module: drawing a font and naming its glyphs is a job apart
-        from islands.data.emoji import EmojiSource
-
-        source = EmojiSource(**options)
-    elif name == "hf":  # its own module: a Hugging Face dataset's tables, and `datasets` an optional extra
-        from islands.data.hf import HfSource
-
-        source = HfSource(**options)
-    elif name not in SOURCES:
-        raise ValueError(f"unknown data source {name!r}; choose from {', '.join([*SOURCES, 'emoji', 'shards', 'hf'])}")
-    else:
-        source = SOURCES[name](**options)
-    source.options = (name, *sorted(options.items()))
-    return source

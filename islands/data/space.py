@@ -1,14 +1,13 @@
 """The space the network works in, seen from the data: the one seam between the examples a source reads and what the
 objective trains on, and between the samples a sampler draws and the pictures, metrics and samples.npz people see.
 
-Pixels: both ways the identity. An autoencoder's latents (latent diffusion, `data.autoencoder`) are another
-`DataSpace`, islands/train/latents.py's `LatentStage`: `encode` maps a batch of examples to latents before the
-objective (or a source reads latents precomputed, and `encode` stays the identity), `decode` maps samples back to
-images before anything looks at them.
+Pixels: both ways the identity (but for the flips the loader drew, which `encode` applies). An autoencoder's latents
+(latent diffusion, `data.autoencoder`) are another `DataSpace`, islands/data/latents.py's `LatentStage`: `encode`
+maps a batch of (flipped) images to latents before the objective, or picks and draws the stored latent of each image
+or of its flip (`StoredLatents`), and `decode` maps samples back to images before anything looks at them.
 """
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, replace
 
 from torch import Tensor
 
@@ -27,18 +26,13 @@ class DataSpace:
         return tuple(shape)
 
     def encode(self, batch: Batch) -> Batch:
-        """The batch as the objective trains on it. (An encoder that changes the examples' shape drops the noise the
-        loader drew for the old shape, `noise=None`: the objective then draws it from the positions, `Batch.drawn`.)"""
-        return batch
+        """The batch as the objective trains on it: here its examples, each flipped where the loader's draw says."""
+        return replace(batch, x=batch.flipped(), flip=None)
 
-    def loader_flip(self, flip: bool | None) -> bool | None:
-        """The horizontal flip the loader applies (data.flip; None: the source's own); a space whose examples hold
-        their flips (stored latents) picks them itself, and the loader flips nothing."""
-        return flip
-
-    # A space in which the loader's noise has the wrong shape does not have the loader draw it (the objective draws
-    # it from the positions at the shape it trains on, `Batch.drawn`).
-    loader_draws: ClassVar[bool] = True
+    def flips(self, flip: bool | None, source_flips: bool) -> bool:
+        """Whether examples are flipped (data.flip; None: the source's own default): what the loader draws a flip
+        for, and `encode` applies."""
+        return source_flips if flip is None else flip
 
     def flops_per_image(self, shape: tuple) -> float:
         """FLOPs spent on each training example of `shape` before the objective (an encoder's forward): none."""

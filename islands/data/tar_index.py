@@ -57,7 +57,7 @@ from islands.data.shards import (
     index_name,
     refuse_written_over,
 )
-from islands.data.sources import _check_resolution, fitted
+from islands.data.sources import CAPTION, LABEL, X, _check_resolution, fitted
 from islands.errors import DataError
 from islands.rundir import building_folder, finish_building, start_building
 from islands.untrusted import file_sha256, inside
@@ -337,7 +337,9 @@ class IndexedTars(ShardSource):
         self.shape = (self.channels, self.resolution, self.resolution)
         self.num_classes, self.flip, self.member, self.quantised = m["num_classes"], m["flip"], "image", True
         self.arrays, self.member_shape = [0], self.shape
-        self.captioned, self.stored_captions = "txt" in m["members"], None
+        self.stored_captions = None
+        self.holds = frozenset({X} | {field for field, there in ((LABEL, self.num_classes),
+                                                                  (CAPTION, "txt" in m["members"])) if there})
         self.caption_key, self.class_key = m["caption_key"], m["class_key"]
         self.tars = [Path(s["tar"]) for s in m["shards"]]
         self.index_files = [self._file_named(s["index"]) for s in m["shards"]]

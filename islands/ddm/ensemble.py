@@ -19,6 +19,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 
 from islands.config import Config, to_dict, validate
+from islands.data.captions import recorded_text_encoder
+from islands.data.latents import recorded_sha256
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS, ConditionRouter, condition_prior
 from islands.ddm.mixture import DEFAULT_ROUTING, ExpertSlot, Mixture, PriorRouter, parse_routing
 from islands.ddm.runs import ensemble_dir, expert_dir, expert_runs, partition_dir, router_dir
@@ -30,8 +32,6 @@ from islands.generate import network_with_weights
 from islands.nets import build_network
 from islands.nets.router import route
 from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, weights_file
-from islands.train.captions import recorded_text_encoder
-from islands.train.latents import recorded_sha256
 from islands.untrusted import check_fits, file_sha256, inside
 
 MANIFEST = "ensemble.json"

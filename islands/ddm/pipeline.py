@@ -15,7 +15,9 @@ import torch
 
 from islands.config import Config, ConfigError, load_config, revalidate
 from islands.data import build_data
-from islands.data.sources import Source
+from islands.data.captions import condition_on_captions
+from islands.data.latents import open_data_space
+from islands.data.sources import CAPTION_EMBEDDING, Source, X
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, fit_condition_router, save_condition_router
 from islands.ddm.ensemble import MANIFEST, file_sha256, write_manifest
 from islands.ddm.members import Member, run_members
@@ -47,9 +49,7 @@ from islands.flow.samplers import evaluations_per_sample
 from islands.generate import open_run
 from islands.images import save_samples_picture, save_side_by_side
 from islands.rundir import describe_run, latest_checkpoint, prepare_run_dir, read_state, trained_below
-from islands.train.captions import condition_on_captions
 from islands.train.flops import flops_per_image
-from islands.train.latents import open_data_space
 from islands.train.objectives import build_objective
 
 
@@ -102,7 +102,7 @@ class CaptionVectors(Pixels):
 
 
 class PooledCaptions(Source):
-    """Each example as its caption's pooled embedding (`ddm.partition.features: text`), read from the conditions a
+    """Each example as its caption's pooled embedding (`ddm.partition.features: text`), read from the embeddings a
     text-conditioned run gives it (`condition_on_captions`), without reading the images."""
 
     def __init__(self, conditioned: Source, width: int):
@@ -111,8 +111,10 @@ class PooledCaptions(Source):
     def __len__(self) -> int:
         return len(self.source)
 
-    def get(self, indices):
-        return self.source.conditions(indices)[:, 0, :self.shape[0]], None
+    def read(self, indices, fields) -> dict:
+        if X not in fields:
+            return {}
+        return {X: self.source.read(indices, (CAPTION_EMBEDDING,))[CAPTION_EMBEDDING][:, 0, :self.shape[0]]}
 
 
 class PixelsAndText(Pixels):
@@ -134,9 +136,11 @@ class PixelsBesideCaptions(Source):
     def __len__(self) -> int:
         return len(self.source)
 
-    def get(self, indices):
+    def read(self, indices, fields) -> dict:
+        if X not in fields:
+            return {}
         pixels = self.view(self.source.get(indices)[0]).flatten(1).float()
-        return torch.cat([pixels, self.captions.get(indices)[0].float()], 1), None
+        return {X: torch.cat([pixels, self.captions.get(indices)[0].float()], 1)}
 
 
 class SeenThrough(Features):
@@ -324,7 +328,8 @@ def run_condition_router(cfg: Config) -> Path | None:
     made = Partition.load(partition_dir(cfg))
     captions = condition_on_captions(cfg, partition_dir(cfg), whole_data(cfg))  # encoded once, or as stored
     width, n = cfg.model.text_pooled_width, len(captions)
-    pooled = torch.cat([captions.conditions(range(lo, min(n, lo + 4096)))[:, 0, :width] for lo in range(0, n, 4096)])
+    pooled = torch.cat([PooledCaptions(captions, width).get(range(lo, min(n, lo + 4096)))[0]
+                        for lo in range(0, n, 4096)])
     router, report = fit_condition_router(pooled, torch.from_numpy(made.cluster), cfg.ddm.k, cfg.seed)
     return save_condition_router(router, ensemble_dir(cfg), report)
 

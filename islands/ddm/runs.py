@@ -106,8 +106,8 @@ def router_images(cfg: Config, router: Config) -> int:
     counted on one step by torch's flop counter (islands.train.flops), from the configs alone: every island that
     trains the router derives the same number before any expert has finished."""
     from islands.data import build_data  # the data's shape and classes; loaded only when the budget is derived
+    from islands.data.latents import open_data_space
     from islands.train.flops import flops_per_image
-    from islands.train.latents import open_data_space
     from islands.train.objectives import RouterObjective, build_objective
 
     source = build_data(cfg.data.model_copy(update={"partition": None, "cluster": None}), cfg.seed)

@@ -5,13 +5,13 @@ import functools
 from pathlib import Path
 
 from islands.config import load_config
+from islands.data.captions import recorded_text_encoder
+from islands.data.latents import open_data_space
 from islands.ddm.ensemble import MANIFEST, ancestral_assignment, load_condition_prior, load_ensemble
 from islands.ddm.mixture import DEFAULT_ROUTING, parse_routing
 from islands.ddm.time_gate import load_time_gate
 from islands.errors import ConfigError
 from islands.generate import Sampler, open_run, sample_options
-from islands.train.captions import recorded_text_encoder
-from islands.train.latents import open_data_space
 
 
 def open_sampler(path: Path, options: dict | None = None, use_ema: bool = True, routing: str | None = None,

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from islands.data.latents import recorded_sha256
 from islands.errors import CheckpointError
 from islands.flow.denoiser import Denoiser
 from islands.generate import load_denoiser
-from islands.train.latents import recorded_sha256
 
 
 class TimeGate(nn.Module):

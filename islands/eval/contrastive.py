@@ -20,7 +20,7 @@ from torch import nn
 
 from islands.config import ConfigError
 from islands.data.fingerprint import cache_dir, data_fingerprint
-from islands.data.sources import Source
+from islands.data.sources import Source, View
 from islands.eval.features import BATCH, Classifier, Features, cached_or_trained, fit
 from islands.eval.prompt_following import PromptJudge, held_out, normalised
 from islands.nets.text_encoder import TextEncoder
@@ -94,15 +94,16 @@ def train_judge(images: Source, pooled: torch.Tensor, seed: int, epochs: int, ba
                batch, lr, 0.1, "training the prompt judge", progress)
 
 
-class _Subset(Source):
+class _Subset(View):
     def __init__(self, source: Source, indices: list[int]):
-        self.source, self.indices, self.shape, self.num_classes = source, indices, source.shape, 0
+        super().__init__(source)
+        self.indices = indices
 
     def __len__(self) -> int:
         return len(self.indices)
 
-    def get(self, indices):
-        return self.source.get([self.indices[i] for i in indices])
+    def read(self, indices, fields) -> dict:
+        return self.source.read([self.indices[i] for i in indices], fields)
 
 
 def load_judge(source: Source, seed: int = 0, epochs: int = 30, progress: bool = False) -> ContrastiveJudge:

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from islands.config import MIN_SAMPLES, ConfigError, EvalConfig, SampleConfig, revalidate
 from islands.data import build_data, judged_on
 from islands.data.gmm import GMMSource
+from islands.data.latents import open_data_space, stored_latents
 from islands.data.sources import Source
 from islands.errors import CheckpointError, DataError
 from islands.eval import exact, metrics
@@ -35,7 +36,6 @@ from islands.eval.prompt_following import PromptJudge, held_out, prompt_followin
 from islands.flow.denoiser import Denoiser
 from islands.generate import Sampler, open_run
 from islands.rundir import CONFIG, atomic_write_text, describe_run, is_run_dir, latest_checkpoint, read_npz
-from islands.train.latents import open_data_space, stored_latents
 
 SAMPLE_METRICS = ("fd", "kid", "precision_recall", "density_coverage", "class_balance")  # from samples alone
 PROMPT_METRICS = ("prompt_following",)  # captioned images, from samples drawn for prompts

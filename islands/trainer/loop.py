@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from islands.config import Config
-from islands.data.loader import stream_loader
+from islands.data.loader import training_batches
 from islands.errors import ConfigError, TrainingStopped, config_errors
 from islands.parallel.launch import World, close_world, init_world
 from islands.rundir import atomic_write_text, latest_checkpoint
@@ -71,11 +71,10 @@ def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool =
         tick = schedule.tick_at(state.images)
 
     def batches_from(images: int):
-        return iter(stream_loader(parts.source, batch, cfg.seed, start=images, rank=replica, workers=cfg.data.workers,
-                                  flip=parts.space.loader_flip(cfg.data.flip), schedule=schedule, part=part,
-                                  parts=replica_ranks,
-                                  own_order=cfg.data.shards is not None, pin_memory=world.device.type == "cuda",
-                                  draws=parts.space.loader_draws))
+        return training_batches(parts.source, parts.space, batch, cfg.seed, world.device, cfg.data.flip,
+                                start=images, rank=replica, workers=cfg.data.workers, schedule=schedule, part=part,
+                                parts=replica_ranks, own_order=cfg.data.shards is not None,
+                                pin_memory=world.device.type == "cuda", condition=parts.condition_field)
 
     loader = batches_from(state.images)
     peak_lr = cfg.parallel.worker_lr[replica] if cfg.parallel.worker_lr else cfg.train.lr
@@ -94,8 +93,9 @@ def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool =
             stepped = schedule.active(tick, replica)
             if stepped:
                 # This rank's share of the global batch, with the noise, times and label dropout the loader drew for
-                # each example's stream position, in micro-batches (on a GPU copied from pinned memory, unwaited).
-                batch = parts.space.encode(next(loader).to(world.device, non_blocking=True))
+                # each example's stream position, in the network's space, in micro-batches (on a GPU copied from
+                # pinned memory, unwaited).
+                batch = next(loader)
                 micro_batches = batch.chunk(accumulate)
                 loss, grad_norm, finite = optimizer_step(parts, micro_batches, lr)
             else:  # a slower replica waits out the round; it still votes on whether the others' step was finite

@@ -11,8 +11,10 @@ import torch
 
 from islands.config import Config
 from islands.data import ClusterSubset, build_data, data_name
+from islands.data.captions import condition_on_captions, record_text_encoder
 from islands.data.clusters import read_clusters
-from islands.data.sources import Source
+from islands.data.latents import open_data_space, record_data_space
+from islands.data.sources import CAPTION_EMBEDDING, LABEL, Source
 from islands.data.space import PIXELS, DataSpace
 from islands.errors import CheckpointError, ConfigError, DataError, IslandsWarning, TamperedCheckpoint, config_errors
 from islands.generate import network_with_weights
@@ -33,10 +35,8 @@ from islands.rundir import (
     write_config,
     write_model_description,
 )
-from islands.train.captions import condition_on_captions, record_text_encoder
 from islands.train.checkpoint import adam_state, read_sharded, write_checkpoint
 from islands.train.ema import EMA
-from islands.train.latents import open_data_space, record_data_space
 from islands.train.objectives import Objective, build_objective
 
 PRETRAINED = "pretrained.json"  # RUN/pretrained.json: the diffusers folder a run started from and its weights' sha256
@@ -70,6 +70,11 @@ class Parts:
     @property
     def main(self) -> bool:
         return self.world.is_main
+
+    @property
+    def condition_field(self) -> str:
+        """The field of an example the network is conditioned on: a caption's embedding, or its class."""
+        return CAPTION_EMBEDDING if self.cfg.model.condition == "text" else LABEL
 
     def held_state(self) -> dict:
         """What each rank holds: its shards under FSDP, its optimizer partition under ZeRO-1, its stages' under a

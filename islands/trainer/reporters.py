@@ -18,8 +18,9 @@ from islands.data import judged_on, streams
 from islands.data.batch import Batch
 from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
 from islands.data.shards import skipped_examples
+from islands.data.sources import CLUSTER, X
 from islands.data.space import PIXELS
-from islands.eval.evaluate import Evaluator, evaluate_sampler
+from islands.eval.evaluate import Evaluator, evaluate_sampler, refuse_untrusted_features
 from islands.generate import Sampler, run_sample_options
 from islands.images import save_curve, save_grid, save_samples_picture
 from islands.rundir import atomic_write_text
@@ -129,10 +130,11 @@ def fixed_probe(parts: Parts, size: int) -> Batch:
     """A fixed random subset of the data (some sources are sorted by class), on the run's device."""
     order = torch.randperm(len(parts.source), generator=streams.generator(parts.cfg.seed, 0, "validation"))
     indices = order[:size].tolist()
-    x, condition = parts.source.get(indices)
+    got = parts.source.read(indices, (X, parts.condition_field, CLUSTER))
+    condition = got.get(parts.condition_field)
     if condition is None:
-        condition = torch.full((len(x),), -1, dtype=torch.long)
-    return Batch(x, condition, order[:size], cluster=parts.source.clusters_of(indices)).to(parts.world.device)
+        condition = torch.full((len(indices),), -1, dtype=torch.long)
+    return Batch(got[X], condition, order[:size], cluster=got.get(CLUSTER)).to(parts.world.device)
 
 
 def sampler_of(parts: Parts, plain: torch.nn.Module) -> Sampler:
@@ -157,7 +159,7 @@ class SampleGrid(Reporter):
         # a text-conditioned run draws for the captions of its first examples (a class run: every class in turn)
         first = [i % len(p.source) for i in range(num)]
         captions = p.source.captions(first) if p.cfg.model.condition == "text" else None
-        labels = p.source.get(first)[1] if captions else sampler.labels(num)
+        labels = p.source.read(first, (p.condition_field,))[p.condition_field] if captions else sampler.labels(num)
         x = sampler.generate(num, labels, device=p.world.device)
         reference = p.source.get(list(range(min(len(p.source), 2000))))[0] if len(p.shape) == 1 else None
         images = step.progress.images
@@ -173,6 +175,8 @@ class Evaluation(Reporter):
         self.parts, self.every = parts, parts.cfg.eval.every
         self.log = Logbook(parts.run_dir, "eval") if parts.main else None
         self.evaluator, self.probe = None, None
+        if self.every and parts.cfg.eval.metrics != []:  # a module this machine does not trust: now, not mid-run
+            refuse_untrusted_features(parts.cfg.eval)
 
     def report(self, step: Step) -> None:
         p, cfg = self.parts, self.parts.cfg

@@ -17,16 +17,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from islands.data.conditions import WithConditions, WithStoredConditions
+from islands.data.conditions import WithCaptionEmbeddings
+from islands.data.encode import npy_bytes
 from islands.data.fingerprint import cache_dir
-from islands.data.shards import CAPTION, ExampleWriter
+from islands.data.shards import CAPTION_MEMBER, ExampleWriter
 from islands.data.sources import Source
 from islands.errors import DataError
 from islands.nets.condition import pack_text
 from islands.nets.text_encoder import TextEncoder
 from islands.nets.text_folder import MINILM_SHA256, open_text_encoder
 from islands.rundir import atomic_write_text, latest_checkpoint, recorded_weights
-from islands.train.encode import npy_bytes
 
 RECORD = "text_encoder.json"
 BATCH = 256  # captions encoded at once
@@ -80,12 +80,13 @@ def condition_on_captions(cfg, run_dir: Path, source: Source, device="cpu", prog
     if cfg.model.condition != "text":
         return source
     if source.stored_captions is not None:
-        return WithStoredConditions(source, _check_stored(cfg, run_dir, source.stored_captions))
+        return WithCaptionEmbeddings(source, None, _check_stored(cfg, run_dir, source.stored_captions))
     if not source.captioned:
         raise DataError(f"model.condition: text, but the data ({cfg.data.source}) has no captions")
     bound = latest_checkpoint(run_dir) is not None  # a start binds once the run has trained on the encoder
     encoder = open_run_text_encoder(cfg, recorded_text_encoder(run_dir) if bound else None, device)
-    return WithConditions(source, caption_table(source, encoder, cfg.model.text_tokens, progress), encoder.sha256)
+    return WithCaptionEmbeddings(source, caption_table(source, encoder, cfg.model.text_tokens, progress),
+                                 encoder.sha256)
 
 
 def _check_stored(cfg, run_dir: Path, stored: dict) -> str:
@@ -108,7 +109,7 @@ def _check_stored(cfg, run_dir: Path, stored: dict) -> str:
 
 def record_text_encoder(cfg, run_dir: Path, source: Source) -> None:
     """RUN/text_encoder.json for a text-conditioned run: the encoder it names and its files' digest."""
-    if isinstance(source, WithConditions):
+    if isinstance(source, WithCaptionEmbeddings):
         record = {"text_encoder": cfg.data.text_encoder, "sha256": source.made_by}
         atomic_write_text(Path(run_dir) / RECORD, json.dumps(record, indent=1))
 
@@ -120,7 +121,7 @@ class CaptionWriter(ExampleWriter):
 
     def __init__(self, inner: ExampleWriter, encoder: TextEncoder, name: str, tokens: int):
         self.inner, self.encoder, self.tokens = inner, encoder, tokens
-        self.members = [*inner.members, CAPTION]
+        self.members = [*inner.members, CAPTION_MEMBER]
         depth = max(encoder.width, encoder.pooled_width) + 1
         self.manifest = {**inner.manifest, "caption_embeddings": {
             "text_encoder": name, "sha256": encoder.sha256, "tokens": tokens, "width": encoder.width,
@@ -128,4 +129,4 @@ class CaptionWriter(ExampleWriter):
 
     def __call__(self, x: torch.Tensor, captions: list[str] | None = None) -> list[dict[str, bytes]]:
         packed = encode_captions(self.encoder, captions, self.tokens)
-        return [{**example, CAPTION: npy_bytes(packed[j])} for j, example in enumerate(self.inner(x, captions))]
+        return [{**example, CAPTION_MEMBER: npy_bytes(packed[j])} for j, example in enumerate(self.inner(x, captions))]

@@ -9,7 +9,7 @@ digest of the autoencoder's files (its config.json as well as its weights: the s
 the weights their meaning) in RUN/autoencoder.json when it starts, and every later start, sample or evaluation of the
 run refuses a folder whose files no longer hash to it.
 
-On shards of precomputed latents (`islands encode`, islands/train/encode.py) the stage is `StoredLatents`: the
+On shards of precomputed latents (`islands encode`, islands/data/encode.py) the stage is `StoredLatents`: the
 examples are the stored posteriors, and example n's latent is the same draw from the same posterior (the flipped
 image's where the position-keyed flip says so), so such a run trains as the on-the-fly one does.
 """
@@ -18,7 +18,6 @@ import copy
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -26,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from islands.data import streams
 from islands.data.batch import Batch
 from islands.data.shards import read_manifest
-from islands.data.sources import Source
+from islands.data.sources import Source, View, X
 from islands.data.space import PIXELS, DataSpace
 from islands.errors import DataError
 from islands.nets.autoencoder import Autoencoder, LatentDistribution
@@ -45,8 +44,6 @@ class LatentStage(DataSpace):
     seed: int = field(kw_only=True)
     device: torch.device | str = field(default="cpu", kw_only=True)
 
-    loader_draws: ClassVar[bool] = False  # noise of the images' shape: the objective draws the latents'
-
     def example_shape(self, shape: tuple) -> tuple:
         return tuple(self.autoencoder.latent_shape(tuple(shape)))
 
@@ -60,12 +57,11 @@ class LatentStage(DataSpace):
 
     @torch.no_grad()
     def encode(self, batch: Batch) -> Batch:
-        """The batch with each example as its latent, drawn with the noise of its stream position. The loader's noise
-        has the images' shape: dropped, the objective draws it again at the latents' shape from the same positions
-        (its time and condition-drop uniforms stay)."""
-        q = self.autoencoder.encode(batch.x)
+        """The batch with each example (flipped where its draw says) as its latent, drawn from its posterior with the
+        noise of its stream position."""
+        q = self.autoencoder.encode(batch.flipped())
         noise = streams.normal(self.seed, batch.positions.tolist(), tuple(q.mean.shape[1:]), "latent")
-        return replace(batch, x=self.autoencoder.to_diffusion(q.sample(noise)).to(batch.x.dtype), noise=None)
+        return replace(batch, x=self.autoencoder.to_diffusion(q.sample(noise)).to(batch.x.dtype), flip=None)
 
     @torch.no_grad()
     def decode(self, samples: torch.Tensor) -> torch.Tensor:
@@ -84,8 +80,8 @@ def _encoder_flops(autoencoder: Autoencoder, shape: tuple, device) -> float:
 @dataclass(frozen=True)
 class StoredLatents(LatentStage):
     """Latents precomputed into shards: each example is its posterior's mean and log-variance, and its flip's where
-    the shards hold it (`pairs` 2), stacked along the channels; the loader flips nothing, this stage picks the pair
-    where `flip`."""
+    the shards hold it (`pairs` 2), stacked along the channels; where the loader drew a flip (data.flip, or the
+    shards' flips), this stage picks the flipped image's pair."""
 
     name: str = "stored latents"
     pairs: int = field(default=1, kw_only=True)
@@ -95,8 +91,8 @@ class StoredLatents(LatentStage):
     def example_shape(self, shape: tuple) -> tuple:
         return (shape[0] // (2 * self.pairs), *shape[1:])
 
-    def loader_flip(self, flip: bool | None) -> bool:
-        return False
+    def flips(self, flip: bool | None, source_flips: bool) -> bool:
+        return self.flip  # decided when the stage was opened, from the shards' flips and data.flip
 
     def flops_per_image(self, shape: tuple) -> float:
         return 0.0  # encoded once, by `islands encode`
@@ -119,29 +115,26 @@ class StoredLatents(LatentStage):
         where its position-keyed flip (the loader's draw) says so, of the flipped image."""
         arrays = batch.x.float().chunk(2 * self.pairs, dim=1)
         mean, logvar = arrays[:2]
-        positions = batch.positions.tolist()
-        if self.flip:
-            flip = (streams.uniform(self.seed, positions, "flip") < 0.5).reshape(-1, 1, 1, 1).to(mean.device)
+        if batch.flip is not None:
+            flip = batch.flip.reshape(-1, 1, 1, 1)
             mean, logvar = torch.where(flip, arrays[2], mean), torch.where(flip, arrays[3], logvar)
-        noise = streams.normal(self.seed, positions, tuple(mean.shape[1:]), "latent")
+        noise = streams.normal(self.seed, batch.positions.tolist(), tuple(mean.shape[1:]), "latent")
         latent = LatentDistribution(mean, logvar).sample(noise)
-        return replace(batch, x=self.autoencoder.to_diffusion(latent).to(batch.x.dtype), noise=None)
+        return replace(batch, x=self.autoencoder.to_diffusion(latent).to(batch.x.dtype), flip=None)
 
 
-class DecodedMeans(Source):
+class DecodedMeans(View):
     """The images of stored latents, as metrics compare samples with (`StoredLatents.images_of`)."""
 
     def __init__(self, source: Source, stage: StoredLatents):
-        self.source, self.stage = source, stage
-        self.shape, self.num_classes = stage.image_shape, source.num_classes
-        self.read_from = source.read_from
+        super().__init__(source)
+        self.stage, self.shape = stage, stage.image_shape
 
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def get(self, indices):
-        x, y = self.source.get(indices)
-        return self.stage.images_of(x), y
+    def read(self, indices, fields) -> dict:
+        got = self.source.read(indices, fields)
+        if X in got:
+            got[X] = self.stage.images_of(got[X])
+        return got
 
 
 def stored_latents(cfg) -> dict | None:
