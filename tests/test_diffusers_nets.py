@@ -227,8 +227,8 @@ def test_a_pretrained_folder_that_is_not_a_safetensors_denoiser_is_refused_in_on
     where = "model.config: a pretrained network's config" if damage == "config" else "model.pretrained: diffusers"
     assert len(err.splitlines()) == 1 and where in err, err
     assert {"class": "'AutoencoderKL', not one of", "pickle": "pickled weights only", "missing": "is missing",
-            "config": "is its folder's config.json", "weights": "config.json implies more than the 45,128 parameters "
-            "its weights hold"}[damage] in err
+            "config": "is its folder's config.json", "weights": "config.json implies 45,129 parameters, more than the "
+            "45,128 its weights hold"}[damage] in err
 
 
 def follows_the_single_process(cfg: dict, tmp_path, *strategy: str) -> None:
