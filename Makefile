@@ -33,10 +33,12 @@ datasets:
 	  echo "note: chromium is missing (apt-get install chromium); the report's browser test is skipped"
 
 # The main job: a Decentralized Diffusion Model on MNIST 5k (4 experts, a router) beside a monolith trained with
-# the same compute, then their metrics; about 8 minutes on 2 cores (configs/mnist5k_ddm.yaml).
+# the same compute, then their metrics and the ensemble's report page; about 8 minutes on 2 cores (configs/mnist5k_ddm.yaml).
 demo: $(STAMP) datasets
 	$(BIN)/islands ddm configs/mnist5k_ddm.yaml --jobs 2
 	@echo "Ensemble and monolith side by side: runs/mnist5k_ddm/comparison.png (metrics: runs/mnist5k_ddm/comparison.json)"
+	$(BIN)/islands report runs/mnist5k_ddm
+	@echo "The ensemble's report page (open it in any browser): runs/mnist5k_ddm/report.html"
 
 # Two xdist workers: most multi-process tests wait on process starts and timeouts, which the other worker fills;
 # the timed tests (marked serial) then run alone.
