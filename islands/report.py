@@ -259,13 +259,28 @@ def trained_images(folder: Folder, rel: Path) -> int | None:
 
 # --- sections ------------------------------------------------------------------------------------------------------
 
+# Keys that only one condition kind reads (a resolved config holds them all): described only where the run's
+# model.condition is that kind, so that a class-conditional run does not list a text encoder it never opened.
+CONDITION_KEYS = {"class": {"model": ("num_classes",)},
+                  "text": {"model": ("text_tokens", "text_width", "text_pooled_width"), "data": ("text_encoder",)}}
+
+
+def used_keys(section: str, values: dict, condition) -> dict:
+    """The section's keys less those of condition kinds other than the run's (all of them where it names none)."""
+    unused = {k for kind, keys in CONDITION_KEYS.items() if condition is not None and kind != condition
+              for k in keys.get(section, ())}
+    return {k: v for k, v in values.items() if k not in unused}
+
+
 def describe(folder: Folder, rel: Path) -> list[list]:
     """A run's (or an ensemble's) description as rows (what, value): its network, its size, its data, its
-    training."""
+    training; of the model and data, only the keys the run's kinds use."""
     cfg, ckpt = sections_of(folder, rel), latest_checkpoint(folder, rel)
     built = folder.json(rel / MODEL) or {}
     model, data, flow, train = (cfg.get(k) if isinstance(cfg.get(k), dict) else {}
                                 for k in ("model", "data", "flow", "train"))
+    condition = model.get("condition")
+    model, data = used_keys("model", model, condition), used_keys("data", data, condition)
     strategy = cfg.get("parallel", {}).get("strategy") if isinstance(cfg.get("parallel"), dict) else None
     rows = [["model", "; ".join(f"{k} {fmt(v)}" for k, v in model.items() if v not in (None, [], {}))],
             ["weights", f"{weights:,} numbers (parameters and buffers)" if (weights := weights_size(folder, rel))

@@ -265,3 +265,24 @@ def test_the_report_renders_in_headless_chromium(request, tmp_path):
         decoded = [line.split('"decoded ')[1].split('"')[0] for line in
                    open_in_chromium(chromium, probe, tmp_path / "probe.png", tmp_path / "profile")]
         assert len(decoded) == len(sources) > 0 and all(int(width) > 10 for width in decoded), decoded
+
+
+def test_a_description_lists_only_the_keys_its_condition_uses(tmp_path):
+    """A resolved config holds every key of its kinds' sections: a class-conditional run's description names no text
+    encoder and no caption tokens, which it never used, and a text run's names them and no class count."""
+    from islands.config import to_dict
+    from islands.report import Folder, describe
+
+    def rows(name, model):
+        cfg = validate({"run_dir": str(tmp_path / name), "data": {"source": "mnist5k"}, "model": model})
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
+        assert "text_encoder" in to_dict(cfg)["data"] and "text_tokens" in to_dict(cfg)["model"]
+        return dict(describe(Folder(tmp_path / name), Path()))
+
+    by_class = rows("class", {"arch": "unet", "num_classes": 10})
+    assert "num_classes 10" in by_class["model"] and "condition class" in by_class["model"]
+    assert "text" not in by_class["model"] and "text_encoder" not in by_class["data"], by_class
+    by_text = rows("text", {"arch": "unet", "condition": "text", "text_width": 384, "text_pooled_width": 384})
+    assert "text_tokens 32" in by_text["model"] and "text_encoder minilm" in by_text["data"], by_text
+    assert "num_classes" not in by_text["model"]
