@@ -8,7 +8,6 @@ import warnings
 from pathlib import Path
 
 from islands.config import ConfigError, SampleConfig, load_config
-from islands.errors import config_errors
 
 EPILOG_TRAIN = """examples:
   islands train configs/mnist5k.yaml
@@ -18,36 +17,12 @@ Rerunning the same command resumes from the last complete checkpoint."""
 
 
 def _train(args) -> int:
+    from islands.ddm.runs import config_for_roles, split_roles
     from islands.rundir import run_summary
     from islands.trainer import train
 
-    role = [o for o in args.overrides if o in ("router", "monolith") or o.startswith(("expert=", "tstage="))]
-    cfg = load_config(args.config, [o for o in args.overrides if o not in role])
-    member, ranges = [o for o in role if not o.startswith("tstage=")], [o for o in role if o.startswith("tstage=")]
-    if len(member) > 1 or len(ranges) > 1:
-        raise ConfigError(f"train: give one of expert=K, router and monolith, and at most one tstage=I, "
-                          f"not {' '.join(role)}")
-    if member:  # a member of a decentralized model, derived from the ensemble's config
-        from islands.ddm.runs import expert_config, monolith_config, require_partition, router_config
-
-        if member[0] != "monolith":
-            require_partition(cfg)
-        if member[0] == "router":
-            cfg = router_config(cfg)
-        elif member[0] == "monolith":
-            cfg = monolith_config(cfg)
-        else:
-            try:
-                cfg = expert_config(cfg, int(member[0].split("=", 1)[1]))
-            except ValueError:
-                raise ConfigError(f"expert: {member[0]!r} is not expert=K with K a number") from None
-    if ranges:  # a timestep-range expert of the run derived so far (an expert's, in a cluster x range grid)
-        from islands.trainer.ranges import tstage_config
-
-        index = ranges[0].split("=", 1)[1]
-        if not index.isdecimal():
-            raise ConfigError(f"tstage: {ranges[0]!r} is not tstage=I with I a number")
-        cfg = tstage_config(cfg, int(index))
+    roles, overrides = split_roles(args.overrides)
+    cfg = config_for_roles(load_config(args.config, overrides), roles)
     run_dir = train(cfg, progress=not args.quiet, teacher=_teacher(cfg), fall_back=args.fall_back)
     print(run_summary(run_dir))
     return 0
@@ -56,36 +31,16 @@ def _train(args) -> int:
 def _sample(args) -> int:
     import torch
 
-    from islands.ddm.mixture import DEFAULT_ROUTING
-    from islands.ddm.sampling import open_sampler
-    from islands.flow.samplers import evaluations_per_sample
-    from islands.generate import check_sample_count, check_samples_folder
+    from islands.ddm.sampling import sample_to_folder
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    check_samples_folder(Path(args.out))
     options = {"steps": args.steps, "solver": args.solver, "grid": args.grid, "guidance": args.guidance,
                "batch_size": args.batch_size, "precision": args.precision}
-    run_dir = Path(args.run_dir)
-    if args.distributed and not ((run_dir / "ensemble.json").exists() or (run_dir / "tstages").is_dir()):
-        raise ConfigError(f"--distributed: {run_dir} is not an ensemble directory (no ensemble.json) nor a run of "
-                          "timestep-range experts (no tstages/)")
-    sampler = open_sampler(run_dir, options, use_ema=not args.no_ema, routing=args.routing,
-                           max_loaded=args.max_loaded)
-    check_sample_count(args.num, sampler.shape)
-    prompts = _prompts(args)
-    if prompts and args.class_label is not None:
-        raise ConfigError("--class: a sample is conditioned on a class or on a prompt, not both")
-    labels = sampler.prompted(prompts, args.num) if prompts else sampler.labels(args.num, args.class_label)
-    seed = sampler.cfg.seed if args.seed is None else args.seed
-    if args.distributed:  # under torchrun: each rank holds some of the experts, or one range expert
-        return _sample_distributed(args, sampler, seed, labels, prompts)
-    _write_samples(sampler.generate(args.num, labels, seed, progress=not args.quiet), labels, prompts, args)
-    if sampler.manifest is not None:
-        opts = sampler.opts
-        one_model = evaluations_per_sample(opts.solver, opts.steps, opts.guidance if labels is not None else 1.0)
-        print(f"expert evaluations per sample: {sampler.denoiser.evaluations / args.num:.1f} "
-              f"({args.routing or DEFAULT_ROUTING} routing; one model would take {one_model})")
+    for line in sample_to_folder(Path(args.run_dir), Path(args.out), args.num, options, _prompts(args),
+                                 args.class_label, args.seed, args.routing, args.max_loaded, not args.no_ema,
+                                 args.distributed, progress=not args.quiet):
+        print(line)
     return 0
 
 
@@ -103,41 +58,6 @@ def _prompts(args) -> list[str]:
         if not prompts:
             raise ConfigError(f"--prompt-file: {args.prompt_file} holds no prompt")
     return prompts
-
-
-def _write_samples(x, labels, prompts: list[str], args) -> None:
-    """OUT/samples.npz and its picture; for prompts, sample i's prompt (prompt i mod P) beside it and in prompts.txt."""
-    from islands.generate import write_samples
-
-    drawn_for = [prompts[i % len(prompts)] for i in range(args.num)] if prompts else None
-    for path in write_samples(x, None if prompts else labels, Path(args.out), drawn_for):
-        print(f"wrote {path}")
-    if prompts:
-        written = Path(args.out) / "prompts.txt"
-        written.write_text("".join(f"{prompt}\n" for prompt in drawn_for))
-        print(f"wrote {written}")
-
-
-def _sample_distributed(args, sampler, seed, labels, prompts: list[str]) -> int:
-    from islands.ddm.expert_parallel import sample_distributed, sample_range_pipeline
-    from islands.parallel.launch import close_world, init_world
-
-    world = init_world()
-    try:
-        if sampler.manifest is None:  # timestep-range experts behind their gate
-            x, stats = sample_range_pipeline(sampler.denoiser, sampler.shape, args.num, sampler.opts, seed, labels,
-                                             world)
-        else:
-            x, stats = sample_distributed(sampler, args.num, seed, labels, world)
-    finally:
-        close_world()
-    if world.is_main:
-        _write_samples(sampler.space.decode(x), labels, prompts, args)
-        evaluations = (f", {stats['expert_evaluations_per_sample']:.1f} expert evaluations per sample"
-                       if "expert_evaluations_per_sample" in stats else "")
-        print(f"{world.size} ranks: {stats['images_per_s']:.1f} images/s, {stats['bytes_moved'] / 1e6:.2f} MB moved "
-              f"between ranks{evaluations}")
-    return 0
 
 
 def _partition(args) -> int:
@@ -171,37 +91,15 @@ def _encode(args) -> int:
 
 
 def _write_shards(args, autoencoder: str | None = None, text_encoder: str | None = None) -> dict | None:
-    """Shards of the config's data (its examples, or with `autoencoder` their latents' posteriors; with
-    `text_encoder` each caption's embedding beside them), each rank writing its own; the manifest on rank 0, None on
-    the others."""
-    from islands.data import build_data
-    from islands.data.shards import refuse_written_over, write_shards
+    from islands.data.write import write_data
     from islands.parallel.launch import close_world, init_world
 
     cfg = load_config(args.config, args.overrides)
-    refuse_written_over(Path(args.out))
-    source = build_data(cfg.data, cfg.seed, check=True)  # a bad input stops here, before a shard is written
     world = init_world()
     try:
-        writer = None
-        if autoencoder is not None:
-            from islands.data.encode import LatentWriter
-            from islands.nets.vae_folder import load_autoencoder
-
-            loaded = load_autoencoder(autoencoder, device=world.device)
-            with config_errors("data"):  # images the autoencoder cannot encode
-                writer = LatentWriter(source, loaded, args.batch_size, world.device, cfg.data.flip)
-        if text_encoder is not None:
-            from islands.data.captions import CaptionWriter
-            from islands.data.shards import ExampleWriter
-            from islands.nets.text_folder import open_text_encoder
-
-            if not source.captioned:
-                raise ConfigError(f"--text-encoder: the data ({cfg.data.source}) has no captions")
-            encoder = open_text_encoder(text_encoder, device=world.device)
-            writer = CaptionWriter(writer or ExampleWriter(source), encoder, text_encoder, args.text_tokens)
-        return write_shards(source, Path(args.out), args.shard_size, cfg.data.model_dump(), world.rank, world.size,
-                            world.barrier, progress=not args.quiet, writer=writer)
+        return write_data(cfg, Path(args.out), args.shard_size, autoencoder, text_encoder,
+                          getattr(args, "text_tokens", 32), getattr(args, "batch_size", 64), world.rank, world.size,
+                          world.barrier, world.device, progress=not args.quiet)
     finally:
         close_world()
 
@@ -278,68 +176,36 @@ def _distill(args) -> int:
 def _eval(args) -> int:
     import torch
 
-    from islands.eval.evaluate import evaluate_target, format_table
+    from islands.ddm.pipeline import evaluate
+    from islands.eval.evaluate import format_table
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if (Path(args.target) / "ensemble.json").exists():
-        from islands.ddm.mixture import DEFAULT_ROUTING
-        from islands.ddm.pipeline import evaluate_ensemble
-
-        options = {"eval.num": args.num, "eval.metrics": args.metrics and f"[{','.join(args.metrics)}]",
-                   "eval.features": args.features or ("torch" if args.feature_net else None),
-                   "eval.feature_weights": args.feature_weights, "sample.steps": args.steps,
-                   "sample.batch_size": args.batch_size}
-        result, out = evaluate_ensemble(Path(args.target), args.routing or DEFAULT_ROUTING, options,
-                                        args.feature_net, progress=not args.quiet)
-        print(format_table(result))
-        print(f"wrote {out}")
-        return 0
-    if args.routing:
-        raise ConfigError(f"--routing: {args.target} is not an ensemble directory (no ensemble.json)")
-    result, out = evaluate_target(Path(args.target), args.num, args.steps, args.metrics, args.features,
-                                  args.batch_size, Path(args.run) if args.run else None, progress=not args.quiet,
-                                  feature_net=args.feature_net, feature_weights=args.feature_weights)
+    result, out = evaluate(Path(args.target), args.num, args.steps, args.metrics, args.features, args.batch_size,
+                           Path(args.run) if args.run else None, args.routing, args.feature_net, args.feature_weights,
+                           progress=not args.quiet)
     print(format_table(result))
     print(f"wrote {out}")
     return 0
 
 
 def _plan(args) -> int:
-    from islands.plan.network import load_network
-    from islands.plan.predict import Planner
-    from islands.plan.report import table, write_plan
+    from islands.plan.run import plan
 
-    cfg = load_config(args.config, args.overrides)
+    shape = None
     if args.shape:
         try:
             shape = tuple(int(s) for s in args.shape.split(","))
         except ValueError:
             raise ConfigError(f"--shape: {args.shape!r} is not sizes joined by commas, e.g. 4,32,32") from None
-        classes = args.classes if args.classes is not None else cfg.model.num_classes or 0
-    else:
-        from islands.data import build_data
-        from islands.data.latents import open_data_space
-
-        source = build_data(cfg.data, cfg.seed)
-        space = open_data_space(cfg, Path(cfg.run_dir))  # on latents: the latents' shape, and what encoding costs
-        with config_errors("data.autoencoder"):
-            shape = space.example_shape(tuple(source.shape))
-        classes, encoder = source.num_classes, space.flops_per_image(tuple(source.shape))
     try:
         every = tuple(int(h) for h in args.sync_every.split(","))
     except ValueError:
         raise ConfigError(f"--sync-every: {args.sync_every!r} is not whole numbers joined by commas") from None
-    if args.network == "this-machine":
-        from islands.plan.this_machine import this_machine
-
-        network = this_machine(cfg, shape, classes, args.ranks)
-    else:
-        network = load_network(args.network)
-    planner = Planner(cfg, network, shape, classes, encoder)
-    rows = planner.rows(every)
-    print(table(rows, planner))
-    data, picture = write_plan(rows, planner, Path(args.out or f"plans/{Path(args.config).stem}-{network.name}"))
+    rows, data, picture = plan(load_config(args.config, args.overrides), args.network,
+                               Path(args.out) if args.out else None, Path(args.config).stem, every, shape,
+                               args.classes, args.ranks)
+    print(rows)
     print(f"plan: {data} and {picture}")
     return 0
 
@@ -353,16 +219,9 @@ def _report(args) -> int:
 
 
 def _export(args) -> int:
-    from islands.ddm.ensemble import MANIFEST
+    from islands.export_ddm import export
 
-    if (Path(args.run_dir) / MANIFEST).exists():
-        from islands.export_ddm import export_ensemble
-
-        print(f"wrote {export_ensemble(Path(args.run_dir), Path(args.out))}")
-        return 0
-    from islands.export import export_run
-
-    print(f"wrote {export_run(Path(args.run_dir), Path(args.out))}")
+    print(f"wrote {export(Path(args.run_dir), Path(args.out))}")
     return 0
 
 

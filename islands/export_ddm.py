@@ -22,7 +22,7 @@ from islands import __version__
 from islands.config import load_config, validate
 from islands.ddm import diffusers_pipeline
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_WEIGHTS
-from islands.ddm.ensemble import member_network, read_manifest, read_verified
+from islands.ddm.ensemble import MANIFEST, member_network, read_manifest, read_verified
 from islands.ddm.mixture import DEFAULT_ROUTING
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
 from islands.ddm.runs import partition_dir
@@ -126,3 +126,12 @@ def export_ensemble(root: Path, out: Path) -> Path:
                       if p.is_file() and p.name != BUILDING_MARKER}  # the marker leaves before the rename
     (building / INDEX).write_text(json.dumps(index, indent=1))
     return finish_building(building, out)
+
+
+def export(target: Path, out: Path) -> Path:
+    """`islands export` as a function: an ensemble directory in the open DDM layout, or a run as its diffusers
+    folder."""
+    from islands.export import export_run
+
+    target = Path(target)
+    return export_ensemble(target, Path(out)) if (target / MANIFEST).exists() else export_run(target, Path(out))

@@ -38,6 +38,7 @@ from islands.eval.evaluate import (
     build_features,
     entry_key,
     evaluate_sampler,
+    evaluate_target,
     format_table,
     generated,
     record,
@@ -386,3 +387,22 @@ def emit_scripts(cfg: Config, kind: str) -> list[Path]:
         path.chmod(0o755)
         written.append(path)
     return written
+
+
+def evaluate(target: Path, num: int | None = None, steps: int | None = None, metrics: list[str] | None = None,
+             features: str | None = None, batch_size: int | None = None, run: Path | None = None,
+             routing: str | None = None, feature_net: str | None = None, feature_weights: str | None = None,
+             progress: bool = True) -> tuple[dict, Path]:
+    """`islands eval` as a function: an ensemble directory sampled under `routing` and evaluated as `islands ddm`
+    does, or a run directory or a samples.npz as `eval.evaluate.evaluate_target` evaluates it. -> (the metrics, the
+    metrics.json they were added to)."""
+    target = Path(target)
+    if (target / MANIFEST).exists():
+        options = {"eval.num": num, "eval.metrics": metrics and f"[{','.join(metrics)}]",
+                   "eval.features": features or ("torch" if feature_net else None),
+                   "eval.feature_weights": feature_weights, "sample.steps": steps, "sample.batch_size": batch_size}
+        return evaluate_ensemble(target, routing or DEFAULT_ROUTING, options, feature_net, progress=progress)
+    if routing:
+        raise ConfigError(f"--routing: {target} is not an ensemble directory (no {MANIFEST})")
+    return evaluate_target(target, num, steps, metrics, features, batch_size, run, progress=progress,
+                           feature_net=feature_net, feature_weights=feature_weights)

@@ -164,3 +164,38 @@ def distill_config(cfg: Config, teacher: str = "cluster") -> Config:
         raise ConfigError(f"distill: {ensemble_dir(cfg)} has no ensemble.json yet; run 'islands ddm' first")
     return _derived(cfg, distilled_dir(cfg), data={"partition": str(partition_dir(cfg)), "cluster": None},
                     train={"objective": "distill", "teacher": teacher})
+
+
+def split_roles(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """The role words among `islands train`'s overrides (`expert=K`, `router`, `monolith`, `tstage=I`), and the config
+    overrides besides them."""
+    roles = [o for o in overrides if o in ("router", "monolith") or o.startswith(("expert=", "tstage="))]
+    return roles, [o for o in overrides if o not in roles]
+
+
+def config_for_roles(cfg: Config, roles: list[str]) -> Config:
+    """The config of the run that `roles` name within `cfg`: a member of its decentralized model (`expert=K`, `router`
+    or `monolith`, derived from the ensemble's config), then, with `tstage=I`, that run's timestep-range expert I."""
+    from islands.trainer.ranges import tstage_config
+
+    member, ranges = [r for r in roles if not r.startswith("tstage=")], [r for r in roles if r.startswith("tstage=")]
+    if len(member) > 1 or len(ranges) > 1:
+        raise ConfigError(f"train: give one of expert=K, router and monolith, and at most one tstage=I, "
+                          f"not {' '.join(roles)}")
+    if member and member[0] != "monolith":
+        require_partition(cfg)
+    if member == ["router"]:
+        cfg = router_config(cfg)
+    elif member == ["monolith"]:
+        cfg = monolith_config(cfg)
+    elif member:
+        index = member[0].split("=", 1)[1]
+        if not index.isdecimal():
+            raise ConfigError(f"expert: {member[0]!r} is not expert=K with K a number")
+        cfg = expert_config(cfg, int(index))
+    if ranges:  # a timestep-range expert of the run derived so far (an expert's, in a cluster x range grid)
+        index = ranges[0].split("=", 1)[1]
+        if not index.isdecimal():
+            raise ConfigError(f"tstage: {ranges[0]!r} is not tstage=I with I a number")
+        cfg = tstage_config(cfg, int(index))
+    return cfg

@@ -11,7 +11,8 @@ from islands.ddm.ensemble import MANIFEST, ancestral_assignment, load_condition_
 from islands.ddm.mixture import DEFAULT_ROUTING, parse_routing
 from islands.ddm.time_gate import load_time_gate
 from islands.errors import ConfigError
-from islands.generate import Sampler, open_run, sample_options
+from islands.flow.samplers import evaluations_per_sample
+from islands.generate import Sampler, check_sample_count, check_samples_folder, open_run, sample_options, write_samples
 
 
 def open_sampler(path: Path, options: dict | None = None, use_ema: bool = True, routing: str | None = None,
@@ -55,3 +56,63 @@ def open_ensemble(root: Path, options: dict | None = None, routing: str = DEFAUL
     space = open_data_space(cfg, root, device, sha256=manifest.get("autoencoder_sha256"))
     return Sampler(mixture, cfg, shape, cfg.model.num_classes, opts, assignment, manifest, space,
                    manifest.get("text_encoder_sha256"))
+
+
+def sample_to_folder(target: Path, out: Path, num: int, options: dict | None = None, prompts: list[str] = (),
+                     class_label: int | None = None, seed: int | None = None, routing: str | None = None,
+                     max_loaded: int | None = None, use_ema: bool = True, distributed: bool = False,
+                     progress: bool = True) -> list[str]:
+    """`islands sample` as a function: `num` samples of a run, range experts or an ensemble (`target`) written to
+    `out` (new, empty, or one it wrote before): samples.npz, its picture and, drawn for prompts (sample i for prompt
+    i mod P), prompts.txt. `distributed`: under torchrun, the experts (or range experts) spread over the ranks. Returns
+    what it says to people: the files written and what the sampling cost."""
+    target, out = Path(target), Path(out)
+    check_samples_folder(out)
+    if distributed and not ((target / MANIFEST).exists() or (target / "tstages").is_dir()):
+        raise ConfigError(f"--distributed: {target} is not an ensemble directory (no {MANIFEST}) nor a run of "
+                          "timestep-range experts (no tstages/)")
+    sampler = open_sampler(target, options, use_ema=use_ema, routing=routing, max_loaded=max_loaded)
+    check_sample_count(num, sampler.shape)
+    if prompts and class_label is not None:
+        raise ConfigError("--class: a sample is conditioned on a class or on a prompt, not both")
+    labels = sampler.prompted(list(prompts), num) if prompts else sampler.labels(num, class_label)
+    seed = sampler.cfg.seed if seed is None else seed
+    if distributed:  # under torchrun: each rank holds some of the experts, or one range expert
+        return _sample_distributed(sampler, out, num, seed, labels, list(prompts))
+    said = _write(sampler.generate(num, labels, seed, progress=progress), labels, list(prompts), out)
+    if sampler.manifest is not None:
+        opts = sampler.opts
+        one_model = evaluations_per_sample(opts.solver, opts.steps, opts.guidance if labels is not None else 1.0)
+        said.append(f"expert evaluations per sample: {sampler.denoiser.evaluations / num:.1f} "
+                    f"({routing or DEFAULT_ROUTING} routing; one model would take {one_model})")
+    return said
+
+
+def _write(x, labels, prompts: list[str], out: Path) -> list[str]:
+    drawn_for = [prompts[i % len(prompts)] for i in range(len(x))] if prompts else None
+    written = write_samples(x, None if prompts else labels, out, drawn_for)
+    if prompts:
+        (out / "prompts.txt").write_text("".join(f"{prompt}\n" for prompt in drawn_for))
+        written.append(out / "prompts.txt")
+    return [f"wrote {path}" for path in written]
+
+
+def _sample_distributed(sampler: Sampler, out: Path, num: int, seed: int, labels, prompts: list[str]) -> list[str]:
+    from islands.ddm.expert_parallel import sample_distributed, sample_range_pipeline
+    from islands.parallel.launch import close_world, init_world
+
+    world = init_world()
+    try:
+        if sampler.manifest is None:  # timestep-range experts behind their gate
+            x, stats = sample_range_pipeline(sampler.denoiser, sampler.shape, num, sampler.opts, seed, labels, world)
+        else:
+            x, stats = sample_distributed(sampler, num, seed, labels, world)
+    finally:
+        close_world()
+    if not world.is_main:
+        return []
+    evaluations = (f", {stats['expert_evaluations_per_sample']:.1f} expert evaluations per sample"
+                   if "expert_evaluations_per_sample" in stats else "")
+    return [*_write(sampler.space.decode(x), labels, prompts, out),
+            f"{world.size} ranks: {stats['images_per_s']:.1f} images/s, {stats['bytes_moved'] / 1e6:.2f} MB moved "
+            f"between ranks{evaluations}"]
