@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -201,9 +202,11 @@ def test_a_changed_byte_skipped_is_replaced_by_the_next_good_example_the_same_on
 
 
 def test_a_start_reads_no_byte_of_the_tars_and_maps_its_indices(laion, monkeypatch):
-    """What a run does before its first step (build the data and check it) opens no tar; the first read does."""
+    """What a run does before its first step (build the data and check it) opens no tar, nor any index or member
+    sha256 file (it reads the manifest alone, whatever the data's size); the first read of a shard does."""
     out, _, _ = laion
     tars = {s["tar"] for s in json.loads((out / "manifest.json").read_text())["shards"]}
+    tars |= {str(p) for p in out.glob("shard-*.npy")}  # the indices and member sha256 files too
     opened, read = [], [0]
     real_open, real_os_open, real_pread = builtins.open, os.open, os.pread
     fds = set()
@@ -231,9 +234,12 @@ def test_a_start_reads_no_byte_of_the_tars_and_maps_its_indices(laion, monkeypat
     data = validate({"run_dir": "unused", "data": {"source": "shards", "path": str(out), "resolution": R}}).data
     source = build_data(data, 0, check=True)
     assert opened == [] and read == [0]
-    assert isinstance(source._index(0)[0], np.memmap) and isinstance(source._index(0)[1], np.memmap)
     source.get([0])
-    assert len(opened) == 1 and 0 < read[0] < os.path.getsize(opened[0]) / 3  # one example's members
+    tar = [path for path in opened if str(path).endswith(".tar")]
+    assert len(tar) == 1 and 0 < read[0] < os.path.getsize(tar[0]) / 3  # one example's members
+    # and the first shard's index and member sha256 file, checked, then mapped; no other shard's
+    assert {Path(p).name for p in opened} == {Path(tar[0]).name, "shard-000000.idx.npy", "shard-000000.sha256.npy"}
+    assert isinstance(source._index(0)[0], np.memmap) and isinstance(source._index(0)[1], np.memmap)
 
 
 def test_islands_train_and_shard_on_indexed_tars(tmp_path, capsys):

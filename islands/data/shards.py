@@ -286,9 +286,9 @@ class ShardSource(Source):
         self._ready(on_error)
 
     def _ready(self, on_error: str) -> None:
-        """What every kind of shard folder does once its files are named: the per-process state, the skip counter,
-        and the indices and member sha256 files checked against the manifest (each streamed once, here, in the
-        process that builds the source; its loader workers inherit the check and memory-map them)."""
+        """What every kind of shard folder does once its files are named: the per-process state and the skip counter.
+        A shard's index and member sha256 file are checked against the manifest where a process first reads the
+        shard (`_index`), not at the start: a run's start reads the manifest alone, whatever the data's size."""
         if on_error not in ("stop", "skip"):
             raise ValueError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
         m = self.manifest
@@ -299,8 +299,6 @@ class ShardSource(Source):
         self.starts = np.cumsum([0] + [s["examples"] for s in m["shards"]])
         self._indices, self._files, self._pid, self._warned = {}, OrderedDict(), os.getpid(), 0
         self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_() if on_error == "skip" else None
-        for shard in range(len(self.tars)):
-            self._check_listed(shard)
         self._remember_by_content()
 
     def _file_named(self, name: str) -> Path:
@@ -501,13 +499,15 @@ class ShardSource(Source):
                          f"does not hold a sha256 of each member of the {entry['examples']} examples of {entry['tar']}")
 
     def _index(self, shard: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """The shard's index and member sha256 (None for format /1), memory-mapped in this process (checked against
-        the manifest where the source was built)."""
+        """The shard's index and member sha256 (None for format /1), memory-mapped in this process, checked against
+        the manifest (their sha256, their shape, every offset inside the tar) when it first maps them."""
         if os.getpid() != self._pid:
             self._forked()
         if shard not in self._indices:
+            self._check_listed(shard)
             digests = np.load(self.digest_files[shard], mmap_mode="r") if self.checked_per_member else None
             self._indices[shard] = np.load(self.index_files[shard], mmap_mode="r"), digests
+            self._check_offsets(shard)
         return self._indices[shard]
 
     def _check_row(self, shard: int, row: int, columns: list[int], where: np.ndarray) -> None:
@@ -522,7 +522,7 @@ class ShardSource(Source):
 
     def _check_offsets(self, shard: int) -> None:
         """Every member of the shard lies inside the tar (the whole index, memory-mapped, at once)."""
-        index = self._index(shard)[0]
+        index = self._indices[shard][0]
         at, size, tar_bytes = index[..., 0], index[..., 1], self.manifest["shards"][shard]["bytes"]
         outside = (at < 0) | (size < 0) | (at > tar_bytes) | (size > tar_bytes - at)
         if outside.any():
@@ -553,12 +553,11 @@ class ShardSource(Source):
         return self._files[shard]
 
     def check(self):
-        """Every index's offsets bounded by its tar, so that a damaged index stops a run before its first step.
-        No byte of the tars is read (section 5 of issue 36): their members are checked as they are read, and
-        `islands verify` reads them all when a person asks. A folder of format /1 (no member sha256) has every
-        shard hashed whole and its classes read instead. data/fingerprint.py remembers the pass by the manifest."""
+        """Nothing to read for a folder of member sha256 (section 5 of issue 36): the start reads the manifest alone;
+        each index is checked where a process first maps it, each member as it is read, and `islands verify` reads
+        them all when a person asks. A folder of format /1 (no member sha256) has every shard hashed whole and its
+        classes read instead. data/fingerprint.py remembers the pass by the manifest."""
         for i in range(len(self.tars)):
-            self._check_offsets(i)
             if self.checked_per_member:
                 continue
             entry = self.manifest["shards"][i]
