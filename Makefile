@@ -46,7 +46,9 @@ test: $(STAMP) datasets
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
 
+# The start-up benchmark (data_startup) counts every byte each process reads with Debian's strace.
 bench: $(STAMP) datasets
+	@command -v strace >/dev/null || { $(call APT_GET,strace); } || echo "note: strace is missing (apt-get install strace)"
 	$(BIN)/python -m benchmarks
 
 clean:
