@@ -68,7 +68,7 @@ def test_the_worlds_collectives_run_on_its_device(collectives):
 
 def test_ddp_consistency_check_on_the_device(collectives):
     net = torch.nn.Linear(3, 2).to(DEVICE)
-    DDPStrategy(World(rank=0, size=2, device=DEVICE)).check_consistency(net)
+    DDPStrategy(World(rank=0, size=2, device=DEVICE)).layout.check_consistency(net)
     assert collectives == [("all_reduce", "fakegpu")] * 2
 
 
@@ -76,10 +76,11 @@ def test_diloco_streams_its_fragments_on_the_device(collectives):
     strategy = DiLoCoStrategy(World(rank=0, size=2, device=DEVICE), compression="bf16", sync_every=2, fragments=2,
                               batch_size=8)
     net = mlp()
-    strategy.wrap(net)
-    assert strategy.after_step(8) == 8 and strategy.after_step(16, last=True) == 8  # a fragment, then both
+    strategy.parallelize(net)
+    replicas = strategy.replicas
+    assert replicas.after_step(8) == 8 and replicas.after_step(16, last=True) == 8  # a fragment, then both
     assert collectives == [("all_reduce", "fakegpu")] * 3
-    assert all(a.device == DEVICE for a in strategy.anchor.values())
+    assert all(a.device == DEVICE for a in strategy.replicas.anchor.values())
 
 
 def test_expert_parallel_exchange_sends_its_counts_where_its_rows_are(collectives):

@@ -96,17 +96,17 @@ def test_torchft_counters_from_a_peer_must_be_two_whole_numbers():
 
 
 def a_healing_replica():
-    """A DiLoCo replica's strategy with its anchors and momentum (two fragments keep anchors without torchft), and
-    the loader ReplicaLink gives torchft for it."""
+    """A DiLoCo strategy's replicas with their anchors and momentum (two fragments keep anchors without torchft), and
+    the loader ReplicaLink gives torchft for them."""
     strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=2, batch_size=1, outer_lr=0.7, outer_momentum=0.9,
                               fragments=2)
-    strategy.wrap(torch.nn.Linear(3, 2))
-    return strategy, checked(strategy.heal, strategy.shared_state)
+    strategy.parallelize(torch.nn.Linear(3, 2))
+    return strategy.replicas, checked(strategy.replicas.heal, strategy.replicas.shared_state)
 
 
-def a_peers_state(strategy) -> dict:
+def a_peers_state(replicas) -> dict:
     """The replica's own layout with other values, as a peer's arrives: through the wire."""
-    state = from_bytes(to_bytes(strategy.shared_state()))
+    state = from_bytes(to_bytes(replicas.shared_state()))
     for group in ("anchor", "momentum"):
         state[group] = {name: torch.randn_like(value) for name, value in state[group].items()}
     state["images"] = 4096
@@ -121,10 +121,10 @@ def a_peers_state(strategy) -> dict:
     ("number", "images"),
 ])
 def test_a_peers_healing_state_that_does_not_fit_is_refused_before_any_of_it_is_applied(change, name):
-    strategy, heal = a_healing_replica()
-    held = {**{f"net/{n}": p.detach().clone() for n, p in strategy.net.named_parameters()},
-            **{f"{g}/{n}": t.clone() for g in ("anchor", "momentum") for n, t in strategy.shared_state()[g].items()}}
-    peer = a_peers_state(strategy)
+    replicas, heal = a_healing_replica()
+    held = {**{f"net/{n}": p.detach().clone() for n, p in replicas.net.named_parameters()},
+            **{f"{g}/{n}": t.clone() for g in ("anchor", "momentum") for n, t in replicas.shared_state()[g].items()}}
+    peer = a_peers_state(replicas)
     if change == "extra":
         peer["anchor"]["extra"] = torch.zeros(2)
     elif change == "missing":
@@ -137,15 +137,15 @@ def test_a_peers_healing_state_that_does_not_fit_is_refused_before_any_of_it_is_
         peer["images"] = "4096"
     with pytest.raises(CheckpointError, match=f"healing state does not fit this replica: {name} is "):
         heal(peer)
-    now = {**{f"net/{n}": p.detach() for n, p in strategy.net.named_parameters()},
-           **{f"{g}/{n}": t for g in ("anchor", "momentum") for n, t in strategy.shared_state()[g].items()}}
-    assert all(torch.equal(now[key], held[key]) for key in held) and strategy.joined is None
+    now = {**{f"net/{n}": p.detach() for n, p in replicas.net.named_parameters()},
+           **{f"{g}/{n}": t for g in ("anchor", "momentum") for n, t in replicas.shared_state()[g].items()}}
+    assert all(torch.equal(now[key], held[key]) for key in held) and replicas.joined is None
 
-    fits = a_peers_state(strategy)  # the control: a state that fits is taken in whole
+    fits = a_peers_state(replicas)  # the control: a state that fits is taken in whole
     heal(fits)
-    assert all(torch.equal(p, fits["anchor"][n]) for n, p in strategy.net.named_parameters())
-    assert all(torch.equal(t, fits["momentum"][n]) for n, t in strategy.shared_state()["momentum"].items())
-    assert strategy.joined == 4096
+    assert all(torch.equal(p, fits["anchor"][n]) for n, p in replicas.net.named_parameters())
+    assert all(torch.equal(t, fits["momentum"][n]) for n, t in replicas.shared_state()["momentum"].items())
+    assert replicas.joined == 4096
 
 
 @pytest.mark.parametrize("lighthouse", [2], indirect=True)

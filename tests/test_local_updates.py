@@ -23,9 +23,9 @@ from test_parallel import (
 from islands.config import Config, validate
 from islands.data import ClusterSubset, GMMSource
 from islands.data.loader import StreamOrder
+from islands.data.order import GlobalOrder
 from islands.data.schedule import WorkerSchedule
 from islands.nets import build_network
-from islands.parallel.costs import bytes_per_step
 from islands.parallel.launch import World
 from islands.parallel.local_updates import DiLoCoStrategy, LocalSGDStrategy, fragments_of
 from islands.trainer import train
@@ -62,12 +62,13 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_whole_or_streamed_a
     sent = json.loads((local / "communication.json").read_text())["bytes_per_step"]
     net = build_network(validate(cfg).model, (2,), 3)
     assert sent == pytest.approx({"outer_all_reduce": predicted_bytes("ddp", 1, cfg)["all_reduce"] / 4})
-    assert sent == pytest.approx(bytes_per_step("local_sgd", net, 2, sync_every=4))  # what `islands plan` prices
+    # what `islands plan` prices
+    assert sent == pytest.approx(LocalSGDStrategy.costs.bytes_per_step(net, 2, sync_every=4))
     halved = two_ranks(tmp_path, "bf16", cfg, "parallel.strategy=diloco", "parallel.sync_every=4",
                        "parallel.compression=bf16")
     sent16 = json.loads((halved / "communication.json").read_text())["bytes_per_step"]
     assert sent16 == pytest.approx({"outer_all_reduce": predicted_bytes("ddp", 1, cfg)["all_reduce"] / 8})
-    assert sent16 == pytest.approx(bytes_per_step("diloco", net, 2, compression="bf16", sync_every=4))
+    assert sent16 == pytest.approx(DiLoCoStrategy.costs.bytes_per_step(net, 2, compression="bf16", sync_every=4))
 
     # Streamed: two fragments taking turns every 2 of the 4 steps of a cycle, each synchronisation moving its
     # fragment only, on a trajectory of its own.
@@ -117,7 +118,7 @@ def test_two_islands_of_two_ranks_synchronising_every_step_with_plain_sgd_are_on
     net = build_network(validate(cfg).model, (2,), 3)
     half = 4 * -(-sum(p.numel() for p in net.parameters()) // 2)  # bytes of half the flat parameters, padded
     assert sent == pytest.approx({"all_reduce": ddp, "outer_all_reduce": half / 4, "all_gather": half / 4})
-    assert sent == pytest.approx(bytes_per_step("local_sgd", net, 4, sync_every=4, replicas=2))
+    assert sent == pytest.approx(LocalSGDStrategy.costs.bytes_per_step(net, 4, sync_every=4, replicas=2))
     assert relative_difference(single, final_weights(tmp_path / "every_4")) > 1e-4
 
 
@@ -150,7 +151,7 @@ def test_one_diloco_outer_step_is_nesterov_on_the_averaged_change(tmp_path):
         strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=1, batch_size=1, outer_lr=0.7,
                                   outer_momentum=0.9)
         net = torch.nn.Linear(3, 2)
-        strategy.wrap(net)
+        strategy.parallelize(net)
         anchor = {n: p.detach().clone() for n, p in net.named_parameters()}
         momentum = {n: torch.zeros_like(p) for n, p in anchor.items()}
         for step in range(2):
@@ -162,7 +163,7 @@ def test_one_diloco_outer_step_is_nesterov_on_the_averaged_change(tmp_path):
                 g = anchor[n] - p.detach()
                 momentum[n] = 0.9 * momentum[n] + g
                 expected[n] = anchor[n] - 0.7 * (g + 0.9 * momentum[n])
-            assert strategy.after_step(step + 1) == 1
+            assert strategy.replicas.after_step(step + 1) == 1
             for n, p in net.named_parameters():
                 torch.testing.assert_close(p.detach(), expected[n], rtol=1e-6, atol=1e-6)
                 anchor[n] = expected[n]
@@ -180,8 +181,8 @@ def test_streamed_diloco_steps_each_fragment_at_its_own_time_with_its_own_nester
         strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=2, batch_size=1, outer_lr=0.7,
                                   outer_momentum=0.9, fragments=2)
         net = torch.nn.Linear(3, 2)
-        strategy.wrap(net)
-        assert strategy.fragments == [["weight"], ["bias"]]
+        strategy.parallelize(net)
+        assert strategy.replicas.fragments == [["weight"], ["bias"]]
         anchor = {n: p.detach().clone() for n, p in net.named_parameters()}
         momentum = {n: torch.zeros_like(p) for n, p in anchor.items()}
         for step in range(1, 5):
@@ -193,12 +194,12 @@ def test_streamed_diloco_steps_each_fragment_at_its_own_time_with_its_own_nester
             g = anchor[due] - local[due]
             momentum[due] = 0.9 * momentum[due] + g
             anchor[due] = anchor[due] - 0.7 * (g + 0.9 * momentum[due])
-            assert strategy.after_step(step) == 1
+            assert strategy.replicas.after_step(step) == 1
             torch.testing.assert_close(dict(net.named_parameters())[due].detach(), anchor[due], rtol=1e-6, atol=1e-6)
             other = "bias" if due == "weight" else "weight"
             assert torch.equal(dict(net.named_parameters())[other].detach(), local[other])
             for n in anchor:
-                torch.testing.assert_close(strategy.ema_weights()[n], anchor[n], rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(strategy.replicas.ema_weights()[n], anchor[n], rtol=1e-6, atol=1e-6)
     finally:
         dist.destroy_process_group()
 
@@ -242,7 +243,7 @@ def test_a_sharded_replica_reads_its_own_cluster_in_its_own_order_under_global_p
     seen = {}
     for r in (0, 1):
         shard = ClusterSubset(source, cluster, r)
-        order = iter(StreamOrder(len(shard), s, seed=1, replica=r, own_order=True))
+        order = iter(StreamOrder(GlobalOrder(len(shard), 1), s, replica=r, own_order=True))
         seen[r] = [next(order) for _ in range(4)]
         indices = [i for batch in seen[r] for i, _ in batch]
         # its own clock: each epoch of its 20 examples is a permutation of them

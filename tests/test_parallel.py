@@ -27,7 +27,7 @@ from islands.data.loader import stream_loader
 from islands.data.registry import build_source
 from islands.errors import TrainingStopped
 from islands.nets import build_network
-from islands.parallel.costs import bytes_per_step
+from islands.parallel.build import strategy_class
 from islands.parallel.launch import World, free_port, run_local_ranks
 from islands.parallel.ledger import bytes_sent
 from islands.rundir import checkpoint_dir, latest_checkpoint, list_checkpoints, load_weights, read_state
@@ -83,11 +83,12 @@ def reference(tmp_path):
 
 
 def predicted_bytes(strategy: str, accumulate: int, cfg: dict, world: int = 2) -> dict:
-    """Bytes per optimizer step per rank, by collective, from islands.parallel.costs: the formulas `islands plan`
-    prices, checked here against what the ledger counted."""
+    """Bytes per optimizer step per rank, by collective, from the strategy's own formulas (its `costs`): those
+    `islands plan` prices, checked here against what the ledger counted."""
     parallel = validate(cfg).parallel
-    return bytes_per_step(strategy, build_network(validate(cfg).model, (2,), 3), world, accumulate,
-                          parallel.compression, validate(cfg).train.precision)
+    return strategy_class(strategy).costs.bytes_per_step(build_network(validate(cfg).model, (2,), 3), world,
+                                                         accumulate, parallel.compression,
+                                                         validate(cfg).train.precision)
 
 
 @pytest.mark.parametrize("strategy,accumulate,checkpointing", [
@@ -475,7 +476,7 @@ def _check_two_ranks(rank: int, port: int, perturb: bool, out: str) -> None:
         with torch.no_grad():
             net[1].bias[0] += 1e-6
     try:
-        DDPStrategy(World(rank=rank, size=2)).check_consistency(net)
+        DDPStrategy(World(rank=rank, size=2)).layout.check_consistency(net)
         message = "consistent"
     except RuntimeError as err:
         message = str(err)
@@ -509,7 +510,6 @@ def _probe_two_ranks(rank: int, port: int, out: str) -> None:
     """Rank `rank` of 2: the strategies' own objects, one real step each, and what they hold and send."""
     import torch.distributed as dist
 
-    from islands.parallel.build import strategy_class
     from islands.parallel.launch import World
 
     torch.set_num_threads(1)
@@ -533,14 +533,14 @@ def _probe_two_ranks(rank: int, port: int, out: str) -> None:
         torch.manual_seed(0)
         strategy = strategy_class(name)(world)
         net = build_network(cfg.model, (2,), 3)
-        model = strategy.wrap(net)
-        opt = strategy.optimizer(net, lr=1e-3)
+        model = strategy.parallelize(net)
+        opt = strategy.layout.optimizer(net, lr=1e-3)
         generator = torch.Generator().manual_seed(rank)
         x, t = torch.randn(8, 2, generator=generator), torch.rand(8, generator=generator)
         model(x, t, torch.randint(0, 3, (8,), generator=generator)).square().mean().backward()
         issued.clear()
         opt.step()
-        local = strategy.local_optimizer(opt)
+        local = strategy.checkpoint.local_optimizer(opt)
         held = sum(_local_bytes(state[k]) for state in local.state.values() for k in ("exp_avg", "exp_avg_sq"))
         if name == "zero1":  # ZeroRedundancyOptimizer's own partition: the parameters its local AdamW steps
             owned = [p for group in local.param_groups for p in group["params"]]

@@ -5,6 +5,7 @@ import inspect
 import typing
 
 import pytest
+import torch
 from conftest import write_config
 
 from islands.cli import main
@@ -41,8 +42,9 @@ def test_a_strategy_is_built_from_the_values_of_its_own_keys():
                     "parallel": {"strategy": "diloco", "sync_every": 6, "fragments": 3, "outer_lr": 0.5,
                                  "outer_momentum": 0.2, "compression": "fp16"}})
     strategy = strategy_class("diloco").from_config(cfg, World())
-    assert (strategy.every, strategy.count, strategy.outer_lr, strategy.outer_momentum) == (6, 3, 0.5, 0.2)
-    assert (strategy.precision, strategy.compression, strategy.schedule.batches) == ("bf16", "fp16", (12,))
+    replicas = strategy.replicas
+    assert (replicas.every, replicas.count, replicas.outer_lr, replicas.outer_momentum) == (6, 3, 0.5, 0.2)
+    assert (strategy.layout.precision, replicas.wire, strategy.data.schedule.batches) == ("bf16", torch.float16, (12,))
 
 
 @pytest.mark.parametrize("overrides,message", [

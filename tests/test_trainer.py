@@ -1,4 +1,4 @@
-"""The trainer's seams: the strategy's hook after each step, config errors from the layers that know no config, the
+"""The trainer's seams: the replicas' hook after each step, config errors from the layers that know no config, the
 warning where bf16 is emulated, and keys of another kind refused by the config's variants."""
 
 import warnings
@@ -11,14 +11,14 @@ from islands.cli import main
 from islands.config import ConfigError, to_dict, validate
 from islands.errors import IslandsWarning
 from islands.parallel import launch
-from islands.parallel.strategies import Strategy
+from islands.parallel.replicas import Replicas
 from islands.rundir import prepare_run_dir
 from islands.trainer import train
 
 
-def test_the_strategy_is_called_after_every_optimizer_step_with_the_image_count(tmp_path, image_npz, monkeypatch):
+def test_the_replicas_are_called_after_every_optimizer_step_with_the_image_count(tmp_path, image_npz, monkeypatch):
     seen = []
-    monkeypatch.setattr(Strategy, "after_step", lambda self, images, last: seen.append(images))
+    monkeypatch.setattr(Replicas, "after_step", lambda self, images, last: seen.append(images))
     train(tiny_unet(tmp_path / "run", image_npz), progress=False)
     assert seen == list(range(8, 97, 8))  # 96 images in global batches of 8
 

@@ -1,20 +1,42 @@
-"""Bytes each rank sends per optimizer step, by collective, predicted from the parameter shapes alone.
+"""What a strategy costs, predicted from the parameter shapes alone: the bytes each rank sends per optimizer step,
+by ledger collective, and the state each accelerator holds per parameter.
 
-These are the formulas the ledger's counts are tested against (tests/test_parallel.py, test_local_updates.py,
+Each strategy owns its formulas (a `Costs` beside its class, `Strategy.costs`); these are the pieces they share.
+They are the formulas the ledger's counts are tested against (tests/test_parallel.py, test_local_updates.py,
 test_pipeline.py) and the ones `islands plan` prices, so a plan's bytes are the bytes a run books. Each collective's
 per-rank traffic is the ring algorithm's (islands/parallel/ledger.py).
 """
 
 import copy
+import math
 
 import torch
 from torch import nn
 
 from islands.config import LOCAL_UPDATES
-from islands.parallel.ledger import bytes_sent
 
 WIRE_BYTES = {"none": 4, "fp16": 2, "bf16": 2}  # bytes of one fp32 value sent as parallel.compression says
 LOCAL = LOCAL_UPDATES  # the strategies whose replicas synchronise every few steps
+BUCKET = 25 * 2**20  # DDP's default bucket
+
+
+class Costs:
+    """A single process: it sends nothing, and holds fp32 weights, gradients and AdamW's two moments."""
+
+    plan_compression = "none"  # the parallel.compression `islands plan` prices it with
+
+    def bytes_per_step(self, net: nn.Module, world: int, accumulate: int = 1, compression: str = "none",
+                       precision: str = "fp32", sync_every: int = 1, replicas: int | None = None) -> dict[str, float]:
+        """Bytes one rank sends per optimizer step, by ledger collective, over `world` ranks."""
+        return {}
+
+    def state_bytes(self, world: int) -> float:
+        """Bytes each accelerator holds per parameter: weights, gradients, AdamW's moments (and what else it keeps)."""
+        return 16.0
+
+    def messages(self, net: nn.Module, accumulate: int = 1) -> dict[str, int]:
+        """How many messages each collective of a step is issued as (each pays the link's latency)."""
+        return {}
 
 
 def dense_bytes(params) -> int:
@@ -27,44 +49,9 @@ def sharded_bytes(params, world: int) -> int:
     return 4 * sum(-(-p.shape[0] // world) * world * (p.numel() // max(p.shape[0], 1)) for p in params)
 
 
-def bytes_per_step(strategy: str, net: nn.Module, world: int, accumulate: int = 1, compression: str = "none",
-                   precision: str = "fp32", sync_every: int = 1, replicas: int | None = None) -> dict[str, float]:
-    """Bytes one rank sends per optimizer step, by ledger collective, for `strategy` over `world` ranks.
-
-    ddp and zero1 all-reduce the gradients (in `compression`'s width); zero1 then broadcasts each rank's updated
-    partition, which adds up to one all-gather of the fp32 parameters. FSDP (zero2) gathers every block in forward
-    and again in backward (once per micro-batch) and the root once, in bf16 when training in bf16, and
-    reduce-scatters each unit's gradients once per step. The local strategies send one all-reduce of the parameters
-    (local_sgd, fp32) or of their change (diloco, in `compression`'s width) over the R replicas every `sync_every`
-    steps, averaged here per step. When each replica is a group of G ranks, every rank all-reduces a G-th of the
-    flat parameters (padded to a multiple of G) with its counterparts and the group all-gathers the pieces in fp32,
-    and the inner DDP all-reduces the gradients every step."""
-    params = list(net.parameters())
-    wire = WIRE_BYTES[compression] / 4
-    if strategy in ("ddp", "zero1"):
-        sent = {"all_reduce": bytes_sent("all_reduce", dense_bytes(params) * wire, world)}
-        if strategy == "zero1":
-            sent["broadcast"] = bytes_sent("broadcast", dense_bytes(params), world)
-        return sent
-    if strategy in ("zero2", "fsdp"):
-        blocks = sharded_bytes([p for b in net.blocks for p in b.parameters()], world)
-        everything = sharded_bytes([p for n, p in net.named_parameters() if not n.startswith("blocks.")],
-                                   world) + blocks
-        gathered = (everything + (blocks if strategy == "fsdp" else 0)) * (0.5 if precision == "bf16" else 1)
-        return {"all_gather": bytes_sent("all_gather", accumulate * gathered, world),
-                "reduce_scatter": bytes_sent("reduce_scatter", everything * wire, world)}
-    if strategy in LOCAL:
-        replicas = replicas or world
-        per = world // replicas  # ranks per replica; each exchanges 1/per of the (padded) flat parameters
-        numel = sum(p.numel() for p in params)
-        piece = -(-numel // per)
-        outer = 4 * piece * (wire if strategy == "diloco" else 1)
-        sent = {"outer_all_reduce": bytes_sent("outer_all_reduce", outer, replicas) / sync_every}
-        if per > 1:
-            sent["all_reduce"] = bytes_sent("all_reduce", dense_bytes(params), per)
-            sent["all_gather"] = bytes_sent("all_gather", 4 * piece * per, per) / sync_every
-        return sent
-    raise ValueError(f"parallel.strategy: no byte formula for {strategy!r}")
+def ddp_buckets(net: nn.Module) -> int:
+    """The all-reduces DDP issues per step: one per bucket."""
+    return max(1, math.ceil(dense_bytes(net.parameters()) / BUCKET))
 
 
 def carry_bytes(net: nn.Module, batch: int, stop: int) -> int:

@@ -46,8 +46,14 @@ from torch import nn
 
 from islands.config import Config
 from islands.data.schedule import WorkerSchedule
+from islands.parallel.checkpoint_layout import CheckpointLayout
+from islands.parallel.costs import WIRE_BYTES, Costs, dense_bytes
+from islands.parallel.data_plan import DataPlan
 from islands.parallel.launch import World
-from islands.parallel.strategies import WIRE_DTYPES, DDPStrategy, Strategy, averaged
+from islands.parallel.layout import WIRE_DTYPES, DataParallel, averaged
+from islands.parallel.ledger import Ledger, bytes_sent
+from islands.parallel.replicas import Replicas
+from islands.parallel.strategies import Strategy
 
 
 def fragments_of(sizes: list[int], count: int) -> list[range]:
@@ -66,101 +72,35 @@ def fragments_of(sizes: list[int], count: int) -> list[range]:
     return [range(a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
-class LocalSGDStrategy(Strategy):
-    name = "local_sgd"
-    several_ranks = True  # or a job of its own, one replica of several joined through torchft's lighthouse
-    in_a_group = False  # its replicas are groups of the whole job
+class LocalSGD(Replicas):
+    """Replicas whose weights are averaged every H steps, fragment by fragment when streaming."""
 
-    @classmethod
-    def options(cls, cfg: Config) -> dict:
-        par = cfg.parallel
-        keys = ("sync_every", "fragments", "replicas", "worker_batch", "worker_sync_every", "lighthouse", "replica_id",
-                "host", "min_replicas", "timeout_s", "quorum_timeout_s")
-        return {**super().options(cfg), **{k: getattr(par, k) for k in keys}, "batch_size": cfg.train.batch_size}
+    wire = None  # the weights themselves are averaged in full precision
 
-    @classmethod
-    def check(cls, cfg: Config) -> None:
-        if cfg.parallel.compression != "none":
-            raise ValueError("parallel.compression: local_sgd averages the weights themselves, which 16 bits would "
-                             "round; diloco sends its pseudo-gradients in 16 bits")
-
-    def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False,
-                 activation_checkpointing: bool = False, sync_every: int = 100, batch_size: int = 1,
-                 fragments: int = 1, replicas: int | None = None,
-                 worker_batch: list[int] | None = None, worker_sync_every: list[int] | None = None,
-                 lighthouse: str | None = None, replica_id: int | None = None, host: str | None = None,
-                 min_replicas: int = 1, timeout_s: float = 600.0, quorum_timeout_s: float = 3600.0):
-        super().__init__(world, compression, precision, compile, activation_checkpointing)
-        if fragments > sync_every:
-            raise ValueError(f"parallel.fragments: {fragments} fragments cannot take turns within "
-                             f"sync_every={sync_every} steps")
-        self.replicas, self.outer_group, self.inner, per = world.size, world.group, None, 1
-        # separate jobs: torchft's exchange, the state a rejoining replica is sent, and the clock it then takes
-        self.link, self.shared, self.images, self.joined = None, {}, 0, None
-        self.synchronisations = torch.zeros(2, dtype=torch.int64)  # torchft's step and batches committed
-        if lighthouse is not None:  # this job is one replica of `replicas`, its ranks in DDP
-            try:  # torchft, imported only by the runs that use it
-                from islands.parallel.fault_tolerance import ReplicaLink
-            except ImportError as err:
-                raise ValueError(f"parallel.lighthouse: needs torchft ({err}); pip install 'islands[ft]'") from None
-            if fragments > 1:  # a rejoining replica would have to find its peers' fragment in their cycle
-                raise ValueError("parallel.fragments: streamed fragments are not offered with parallel.lighthouse; "
-                                 "replicas that are separate jobs synchronise whole (fragments=1)")
-            self.replicas, per = replicas, world.size
-            if world.distributed:
-                self.inner = DDPStrategy(world, "none", precision, compile, activation_checkpointing)
-                self.inner.ledger = self.ledger
-            self.link = ReplicaLink(lighthouse, replica_id, world, host, min_replicas, timeout_s, quorum_timeout_s,
-                                    self.shared_state, self.heal)
-        elif replicas is not None and replicas != world.size:
-            if world.size % replicas:
-                raise ValueError(f"parallel.replicas: {world.size} ranks do not split into {replicas} equal replicas")
-            self.replicas, (_, group) = replicas, world.split(replicas)
-            self.inner = DDPStrategy(group, "none", precision, compile, activation_checkpointing)
-            self.inner.ledger = self.ledger
-            per = group.size  # every rank creates every group, in the same order
-            across = [dist.new_group([place + r * per for r in range(replicas)]) for place in range(per)]
-            self.outer_group = across[group.rank]
-        self.replica, self.part, self.parts = world.rank // per, world.rank % per, per
-        if self.link is not None:
-            self.replica = replica_id
-        for key, given in (("worker_batch", worker_batch), ("worker_sync_every", worker_sync_every)):
-            if given is not None and len(given) != self.replicas:
-                raise ValueError(f"parallel.{key}: {len(given)} entries for {self.replicas} replicas")
-        even = WorkerSchedule.even(batch_size, self.replicas, sync_every)
-        self.schedule = WorkerSchedule(tuple(worker_batch or even.batches), tuple(worker_sync_every or even.steps))
+    def __init__(self, world: World, ledger: Ledger, schedule: WorkerSchedule, fragments: int, replica: int,
+                 replicas: int, outer_group, own: World | None):
+        self.world, self.ledger, self.schedule, self.replica, self.replicas = world, ledger, schedule, replica, replicas
+        # the ranks of the same place in every replica (the slow link), and this replica's own ranks (the fast one)
+        self.outer_group, self.own = outer_group, own
+        self.part, self.parts = (own.rank, own.size) if own is not None else (0, 1)
+        # a rejoining replica is sent the state shared with it, and the clock of the synchronisation
+        self.shared, self.images = {}, 0
         # a round of the schedule is a cycle of H = the longest replica's steps (the common sync_every if alike)
-        self.every, self.count = self.schedule.ticks, fragments
+        self.every, self.count = schedule.ticks, fragments
         # fragment f synchronises at the steps s with s = offsets[f] (mod H); the last fragment at multiples of H
         self.offsets = [(f + 1) * self.every // fragments % self.every for f in range(fragments)]
         self.net: nn.Module | None = None
         self.anchor: dict[str, torch.Tensor] = {}  # the last synchronised weights, where the net does not hold them
 
-    @property
-    def communicates(self) -> bool:
-        return self.world.distributed or self.link is not None
-
-    def wrap(self, net: nn.Module) -> nn.Module:
-        model = self.inner.wrap(net) if self.inner else super().wrap(net)
+    def attach(self, net: nn.Module) -> None:
         self.net = net
         named = list(net.named_parameters())
         self.fragments = [[named[i][0] for i in r] for r in fragments_of([p.numel() for _, p in named], self.count)]
         # whole synchronisations leave the synchronised weights in the net itself; a rejoining replica is sent them
         if self.count > 1 or self.link is not None:
             self.anchor = {name: p.detach().clone() for name, p in named}
-        return model
 
-    def no_sync(self, model: nn.Module):
-        return self.inner.no_sync(model) if self.inner else super().no_sync(model)
-
-    def check_consistency(self, net: nn.Module) -> None:
-        if self.inner:  # the ranks of one replica hold the same weights
-            self.inner.check_consistency(net)
-
-    def clock(self, batch: int) -> tuple[WorkerSchedule, int, int, int]:
-        return self.schedule, self.replica, self.part, self.parts
-
-    def due(self, step: int) -> list[int]:
+    def _due(self, step: int) -> list[int]:
         return [f for f, offset in enumerate(self.offsets) if step % self.every == offset]
 
     def after_step(self, images: int, last: bool = False) -> int:
@@ -168,7 +108,7 @@ class LocalSGDStrategy(Strategy):
         the previous synchronisation if one happened now (what the EMA takes in), else 0."""
         self.joined = None
         step = self.schedule.tick_at(images)
-        due = range(self.count) if last else self.due(step)
+        due = range(self.count) if last else self._due(step)
         if not due:
             return 0
         # replicas that differ bring what they consumed since the round began (islands.data.schedule)
@@ -182,12 +122,12 @@ class LocalSGDStrategy(Strategy):
         params = dict(self.net.named_parameters())
         pieces = [([params[n] for n in self.fragments[f]], [self.anchor.get(n) for n in self.fragments[f]])
                   for f in due]
-        means = [self.average(self.payload(p, a), self.wire, weight) for p, a in pieces]
+        means = [self._average(self._payload(p, a), self.wire, weight) for p, a in pieces]
         if self.link is not None and not self.link.commit():
             return 0  # a replica failed inside the exchange: nobody applies it, each keeps its own weights
         for (p, a), mean in zip(pieces, means, strict=True):
-            self.apply(p, a, mean)
-        previous = max(s for s in range(max(step - self.every, 0), step) if s == 0 or self.due(s))
+            self._apply(p, a, mean)
+        previous = max(s for s in range(max(step - self.every, 0), step) if s == 0 or self._due(s))
         return images - self.schedule.images_after(previous)
 
     def shared_state(self) -> dict:
@@ -219,96 +159,67 @@ class LocalSGDStrategy(Strategy):
     def ema_weights(self) -> dict[str, torch.Tensor] | None:
         return self.anchor if self.count > 1 else None  # whole: the net holds the anchor after each synchronisation
 
-    def outer_average(self, tensors: list[torch.Tensor], wire: torch.dtype | None, weight: float | None) -> list:
+    def _outer_average(self, tensors: list[torch.Tensor], wire: torch.dtype | None, weight: float | None) -> list:
         """The (weighted) mean over the replicas of this rank's `tensors`, through torchft between separate jobs."""
         if self.link is not None:
             return self.link.average(tensors, self.ledger, wire, weight)
         return averaged(tensors, self.ledger, self.outer_group, self.replicas, wire, "outer_all_reduce", weight)
 
-    def average(self, tensors: list[torch.Tensor], wire: torch.dtype | None, weight: float | None) -> list:
+    def _average(self, tensors: list[torch.Tensor], wire: torch.dtype | None, weight: float | None) -> list:
         """The (weighted) mean of `tensors` over the replicas; by pieces when a replica spans a group of ranks."""
-        if self.inner is None:
-            return self.outer_average(tensors, wire, weight)
+        if self.own is None:
+            return self._outer_average(tensors, wire, weight)
         flat = torch.cat([t.detach().flatten() for t in tensors])
         pieces = list(torch.nn.functional.pad(flat, (0, -flat.numel() % self.parts)).chunk(self.parts))
-        mine = self.outer_average([pieces[self.part]], wire, weight)[0]
+        mine = self._outer_average([pieces[self.part]], wire, weight)[0]
         gathered = [torch.empty_like(mine) for _ in pieces]  # in full precision: the fast network is not the limit
         self.ledger.record("all_gather", mine.numel() * mine.element_size() * self.parts, self.parts)
-        dist.all_gather(gathered, mine, group=self.inner.world.group)
+        dist.all_gather(gathered, mine, group=self.own.group)
         mean = torch.cat(gathered)[:flat.numel()]
         return [m.view_as(t) for m, t in zip(mean.split([t.numel() for t in tensors]), tensors, strict=True)]
 
-    wire = None  # the weights themselves are averaged in full precision
-
-    def payload(self, params: list[torch.Tensor], anchors: list) -> list[torch.Tensor]:
+    def _payload(self, params: list[torch.Tensor], anchors: list) -> list[torch.Tensor]:
         """What a replica sends: its weights."""
         return params
 
     @torch.no_grad()
-    def apply(self, params: list[torch.Tensor], anchors: list, mean: list[torch.Tensor]) -> None:
+    def _apply(self, params: list[torch.Tensor], anchors: list, mean: list[torch.Tensor]) -> None:
         for p, a, m in zip(params, anchors, mean, strict=True):
             p.copy_(m)
             if a is not None:
                 a.copy_(m)
 
     def outer_state(self) -> dict:
+        """The outer optimizer's state, by parameter name (none for local SGD)."""
         return {}
 
     def load_outer_state(self, state: dict) -> None:
         pass
 
-    def checkpoint_layout(self, held: dict) -> dict:
-        layout = {f"replica_{self.world.rank}": held}
-        if self.anchor:
-            layout["outer"] = {"anchor": self.anchor, **self.outer_state()}
-        if self.link is not None:  # torchft's count of synchronisations: a replica resumed from an older
-            counts = self.link.state_dict()  # checkpoint is behind its peers, and heals
-            self.synchronisations.copy_(torch.tensor([counts["step"], counts["batches_committed"]]))
-            layout["outer"]["synchronisations"] = self.synchronisations
-        return layout
 
-    def resumed(self) -> None:
-        if self.link is not None:
-            step, batches = self.synchronisations.tolist()
-            self.link.load_state_dict({"step": step, "batches_committed": batches})
+class DiLoCo(LocalSGD):
+    """Replicas whose averaged change since the last synchronisation is one outer Nesterov SGD step of the anchor."""
 
-
-class DiLoCoStrategy(LocalSGDStrategy):
-    name = "diloco"
-
-    @classmethod
-    def options(cls, cfg: Config) -> dict:
-        par = cfg.parallel
-        return {**super().options(cfg), "outer_lr": par.outer_lr, "outer_momentum": par.outer_momentum}
-
-    @classmethod
-    def check(cls, cfg: Config) -> None:
-        """Its pseudo-gradients may travel in 16 bits (parallel.compression)."""
-
-    def __init__(self, world: World, *, outer_lr: float = 0.7, outer_momentum: float = 0.9, **local):
+    def __init__(self, *args, compression: str = "none", outer_lr: float = 0.7, outer_momentum: float = 0.9):
+        super().__init__(*args)
+        self.wire = WIRE_DTYPES[compression]  # pseudo-gradients may travel in 16 bits
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
-        super().__init__(world, **local)
 
-    def wrap(self, net: nn.Module) -> nn.Module:
-        model = super().wrap(net)
+    def attach(self, net: nn.Module) -> None:
+        super().attach(net)
         self.anchor = self.anchor or {name: p.detach().clone() for name, p in net.named_parameters()}
         self.outer = torch.optim.SGD(self.anchor.values(), lr=self.outer_lr, momentum=self.outer_momentum,
                                      nesterov=self.outer_momentum > 0)
         if self.outer_momentum > 0:  # created now so that a resume has tensors to load into; a zero buffer's
             for a in self.anchor.values():  # first step equals torch's first step from none
                 self.outer.state[a]["momentum_buffer"] = torch.zeros_like(a)
-        return model
 
-    @property
-    def wire(self) -> torch.dtype | None:
-        return WIRE_DTYPES[self.compression]  # pseudo-gradients may travel in 16 bits
-
-    def payload(self, params: list[torch.Tensor], anchors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _payload(self, params: list[torch.Tensor], anchors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The pseudo-gradient: the change since the last synchronisation."""
         return [a - p for a, p in zip(anchors, params, strict=True)]
 
     @torch.no_grad()
-    def apply(self, params: list[torch.Tensor], anchors: list[torch.Tensor], mean: list[torch.Tensor]) -> None:
+    def _apply(self, params: list[torch.Tensor], anchors: list[torch.Tensor], mean: list[torch.Tensor]) -> None:
         for a, d in zip(anchors, mean, strict=True):
             a.grad = d
         self.outer.step()  # SGD steps only the anchors with a gradient: this fragment's
@@ -324,3 +235,145 @@ class DiLoCoStrategy(LocalSGDStrategy):
     def load_outer_state(self, state: dict) -> None:
         for name, value in state["momentum"].items():
             self.outer.state[self.anchor[name]]["momentum_buffer"].copy_(value)
+
+
+class ReplicaCheckpoint(CheckpointLayout):
+    """Between synchronisations the replicas differ: each rank writes its own state under `replica_<rank>`, and
+    the synchronised state (the anchor, the outer optimizer's, torchft's count), the same on every rank, under
+    `outer`."""
+
+    def __init__(self, replicas: LocalSGD, rank: int):
+        self.replicas, self.rank = replicas, rank
+        self.synchronisations = torch.zeros(2, dtype=torch.int64)  # torchft's step and batches committed
+
+    def arrange(self, held: dict) -> dict:
+        layout = {f"replica_{self.rank}": held}
+        if self.replicas.anchor:
+            layout["outer"] = {"anchor": self.replicas.anchor, **self.replicas.outer_state()}
+        if self.replicas.link is not None:  # torchft's count of synchronisations: a replica resumed from an older
+            counts = self.replicas.link.state_dict()  # checkpoint is behind its peers, and heals
+            self.synchronisations.copy_(torch.tensor([counts["step"], counts["batches_committed"]]))
+            layout["outer"]["synchronisations"] = self.synchronisations
+        return layout
+
+    def resumed(self) -> None:
+        if self.replicas.link is not None:
+            step, batches = self.synchronisations.tolist()
+            self.replicas.link.load_state_dict({"step": step, "batches_committed": batches})
+
+
+class LocalCosts(Costs):
+    """One all-reduce of the parameters (local_sgd, fp32) or of their change (diloco, in `compression`'s width) over
+    the R replicas every `sync_every` steps, averaged here per step. When each replica is a group of G ranks, every
+    rank all-reduces a G-th of the flat parameters (padded to a multiple of G) with its counterparts and the group
+    all-gathers the pieces in fp32, and the inner DDP all-reduces the gradients every step."""
+
+    def __init__(self, compressed: bool):
+        self.compressed = compressed  # diloco's pseudo-gradients travel in `compression`'s width
+        self.plan_compression = "bf16" if compressed else "none"
+
+    def bytes_per_step(self, net: nn.Module, world: int, accumulate: int = 1, compression: str = "none",
+                       precision: str = "fp32", sync_every: int = 1, replicas: int | None = None) -> dict[str, float]:
+        params = list(net.parameters())
+        wire = WIRE_BYTES[compression] / 4
+        replicas = replicas or world
+        per = world // replicas  # ranks per replica; each exchanges 1/per of the (padded) flat parameters
+        numel = sum(p.numel() for p in params)
+        piece = -(-numel // per)
+        outer = 4 * piece * (wire if self.compressed else 1)
+        sent = {"outer_all_reduce": bytes_sent("outer_all_reduce", outer, replicas) / sync_every}
+        if per > 1:
+            sent["all_reduce"] = bytes_sent("all_reduce", dense_bytes(params), per)
+            sent["all_gather"] = bytes_sent("all_gather", 4 * piece * per, per) / sync_every
+        return sent
+
+    def state_bytes(self, world: int) -> float:
+        return 16 + (8 if self.compressed else 0)  # diloco keeps the anchor and the outer momentum
+
+
+class LocalSGDStrategy(Strategy):
+    name = "local_sgd"
+    several_ranks = True  # or a job of its own, one replica of several joined through torchft's lighthouse
+    in_a_group = False  # its replicas are groups of the whole job
+    costs = LocalCosts(compressed=False)
+
+    @classmethod
+    def options(cls, cfg: Config) -> dict:
+        par = cfg.parallel
+        keys = ("sync_every", "fragments", "replicas", "worker_batch", "worker_sync_every", "lighthouse", "replica_id",
+                "host", "min_replicas", "timeout_s", "quorum_timeout_s")
+        return {**super().options(cfg), **{k: getattr(par, k) for k in keys}, "batch_size": cfg.train.batch_size}
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        if cfg.parallel.compression != "none":
+            raise ValueError("parallel.compression: local_sgd averages the weights themselves, which 16 bits would "
+                             "round; diloco sends its pseudo-gradients in 16 bits")
+
+    def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False,
+                 activation_checkpointing: bool = False, sync_every: int = 100, batch_size: int = 1,
+                 fragments: int = 1, replicas: int | None = None,
+                 worker_batch: list[int] | None = None, worker_sync_every: list[int] | None = None,
+                 lighthouse: str | None = None, replica_id: int | None = None, host: str | None = None,
+                 min_replicas: int = 1, timeout_s: float = 600.0, quorum_timeout_s: float = 3600.0):
+        super().__init__(world, compression, precision, compile, activation_checkpointing)
+        if fragments > sync_every:
+            raise ValueError(f"parallel.fragments: {fragments} fragments cannot take turns within "
+                             f"sync_every={sync_every} steps")
+        count, outer_group, own = world.size, world.group, None  # own: a replica's ranks, when it has several
+        if lighthouse is not None:  # this job is one replica of `replicas`, its ranks in DDP
+            try:  # torchft, imported only by the runs that use it
+                from islands.parallel.fault_tolerance import ReplicaLink
+            except ImportError as err:
+                raise ValueError(f"parallel.lighthouse: needs torchft ({err}); pip install 'islands[ft]'") from None
+            if fragments > 1:  # a rejoining replica would have to find its peers' fragment in their cycle
+                raise ValueError("parallel.fragments: streamed fragments are not offered with parallel.lighthouse; "
+                                 "replicas that are separate jobs synchronise whole (fragments=1)")
+            count, own = replicas, world if world.distributed else None
+        elif replicas is not None and replicas != world.size:
+            if world.size % replicas:
+                raise ValueError(f"parallel.replicas: {world.size} ranks do not split into {replicas} equal replicas")
+            count, (_, own) = replicas, world.split(replicas)
+            # every rank creates every group, in the same order
+            across = [dist.new_group([place + r * own.size for r in range(replicas)]) for place in range(own.size)]
+            outer_group = across[own.rank]
+        per = own.size if own is not None else 1
+        replica = replica_id if lighthouse is not None else world.rank // per
+        for key, given in (("worker_batch", worker_batch), ("worker_sync_every", worker_sync_every)):
+            if given is not None and len(given) != count:
+                raise ValueError(f"parallel.{key}: {len(given)} entries for {count} replicas")
+        even = WorkerSchedule.even(batch_size, count, sync_every)
+        schedule = WorkerSchedule(tuple(worker_batch or even.batches), tuple(worker_sync_every or even.steps))
+        if own is not None:  # each replica's ranks are data parallel every step
+            self.layout = DataParallel(own, self.ledger, "none", precision, compile, activation_checkpointing)
+        self.data = DataPlan(world.rank, world.size, schedule, replica, world.rank % per, per)
+        self.replicas = self._replicas(compression, world, self.ledger, schedule, fragments, replica, count,
+                                       outer_group, own)
+        if lighthouse is not None:
+            self.replicas.link = ReplicaLink(lighthouse, replica_id, world, host, min_replicas, timeout_s,
+                                             quorum_timeout_s, self.replicas.shared_state, self.replicas.heal)
+        self.checkpoint = ReplicaCheckpoint(self.replicas, world.rank)
+
+    def _replicas(self, compression: str, *args) -> LocalSGD:
+        return LocalSGD(*args)  # compression: refused by `check`
+
+
+class DiLoCoStrategy(LocalSGDStrategy):
+    name = "diloco"
+    costs = LocalCosts(compressed=True)
+
+    @classmethod
+    def options(cls, cfg: Config) -> dict:
+        par = cfg.parallel
+        return {**super().options(cfg), "outer_lr": par.outer_lr, "outer_momentum": par.outer_momentum}
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        """Its pseudo-gradients may travel in 16 bits (parallel.compression)."""
+
+    def __init__(self, world: World, *, outer_lr: float = 0.7, outer_momentum: float = 0.9, **local):
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
+        super().__init__(world, **local)
+
+    def _replicas(self, compression: str, *args) -> DiLoCo:
+        return DiLoCo(*args, compression=compression, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum)

@@ -22,8 +22,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from islands.config import Config, TrainConfig
 from islands.data.batch import Batch
+from islands.parallel.costs import Costs
+from islands.parallel.data_plan import DataPlan
 from islands.parallel.launch import World
-from islands.parallel.strategies import WIRE_DTYPES, Strategy, averaged
+from islands.parallel.layout import WIRE_DTYPES, Layout, averaged
+from islands.parallel.ledger import Ledger
+from islands.parallel.strategies import Strategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
@@ -122,42 +126,19 @@ def balanced_cut(costs: list[float], parts: int) -> list[range]:
     return ranges[::-1]
 
 
-class PipelineStrategy(Strategy):
-    """parallel.strategy=pipeline: S stages (S x V with the interleaved schedule) on S ranks, times D copies."""
+class PipelineLayout(Layout):
+    """S stages (S x V with the interleaved schedule) on the S ranks of a pipeline row, each stage data parallel over
+    its column of the (data, pipe) mesh."""
 
-    name = "pipeline"
-    several_ranks = True
-    in_a_group = False  # its mesh spans the whole job
-    fp16 = False  # per-stage loss scales would drift apart
-
-    @classmethod
-    def options(cls, cfg: Config) -> dict:
-        par = cfg.parallel
-        return {**super().options(cfg), "stages": par.stages, "microbatches": par.microbatches,
-                "schedule": par.schedule, "virtual_stages": par.virtual_stages, "data": par.data}
-
-    def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False,
-                 activation_checkpointing: bool = False, stages: int = 2, microbatches: int = 4,
-                 schedule: str = "1f1b", virtual_stages: int = 1, data: int | None = None):
-        super().__init__(world, compression, precision, compile, activation_checkpointing)
-        if data is None and world.size % stages:
-            raise ValueError(f"parallel.stages: {stages} stages do not divide the {world.size} ranks")
-        data = data or world.size // stages
-        if data * stages != world.size:
-            raise ValueError(f"parallel.data: {data} data-parallel copies of {stages} stages need "
-                             f"{stages * data} ranks, not {world.size}")
-        if schedule == "1f1b" and microbatches < stages:  # torch's 1F1B keeps S micro-batches in flight
-            raise ValueError(f"parallel.microbatches: the 1f1b schedule needs at least one per stage ({stages}), "
-                             f"not {microbatches}")
+    def __init__(self, world: World, ledger: Ledger, compression: str, precision: str, compile: bool,
+                 activation_checkpointing: bool, *, stages: int, data: int, microbatches: int, schedule: str,
+                 virtual_stages: int, mesh):
+        super().__init__(world, ledger, compression, precision, compile, activation_checkpointing)
         self.stages, self.data, self.microbatches = stages, data, microbatches
         self.schedule_name, self.virtual = schedule, virtual_stages
-        mesh = init_device_mesh(world.device.type, (data, stages), mesh_dim_names=("data", "pipe"))
         self.pipe_group, self.data_group = mesh.get_group("pipe"), mesh.get_group("data")
-        self.pipe_rank, self.data_rank = mesh.get_local_rank("pipe"), mesh.get_local_rank("data")
-        self.layout: dict[str, tuple[int, torch.Size, torch.dtype]] = {}  # whole state dict: key -> (owner, ...)
-
-    def data_shard(self) -> tuple[int, int]:
-        return self.data_rank, self.data
+        self.pipe_rank = mesh.get_local_rank("pipe")
+        self.owners: dict[str, tuple[int, torch.Size, torch.dtype]] = {}  # whole state dict: key -> (owner, ...)
 
     def check_training(self, train: TrainConfig) -> None:
         if train.objective != "diffusion":  # a router or a student is not cut in stages
@@ -179,7 +160,7 @@ class PipelineStrategy(Strategy):
         owner_of_block = {i: s % self.stages for s, r in enumerate(cuts) for i in r}
         net = super().wrap(net)  # activation checkpointing and compilation, per block
         stages = [Stage(net, cuts[s], s == 0, s == total - 1) for s in mine]
-        self.layout = {k: (_owner(k, net, owner_of_block), v.shape, v.dtype)
+        self.owners = {k: (_owner(k, net, owner_of_block), v.shape, v.dtype)
                        for k, v in net.state_dict().items()}
         _keep_only(net, stages)
         self.pipeline = [CountingStage(module, s, total, self.world.device, group=self.pipe_group, ledger=self.ledger)
@@ -189,7 +170,7 @@ class PipelineStrategy(Strategy):
                                  loss_fn=self._loss, scale_grads=True)
         return net
 
-    def average_gradients(self) -> None:
+    def _average_gradients(self) -> None:
         """Data parallelism between the copies of each stage: its gradients averaged over its column of the mesh,
         as DDP would (one flat all-reduce per stage after the schedule; DDP's own reducer, wrapped around a stage,
         fails on the second step in torch 2.13 because the schedule's shape inference runs a backward of its
@@ -215,7 +196,7 @@ class PipelineStrategy(Strategy):
             self.schedule.step(*(inputs if first else ()), target=target if last else None,
                                losses=losses if last else None)
         if self.data > 1:
-            self.average_gradients()
+            self._average_gradients()
         mean = torch.stack(losses).float().mean() if last else torch.zeros((), device=self.world.device)
         dist.broadcast(mean, group=self.pipe_group, group_src=self.stages - 1)  # every stage logs the loss
         return mean
@@ -238,7 +219,7 @@ class PipelineStrategy(Strategy):
         """The whole network's tensors on pipeline rank 0 of every data row, each sent there by its owner; the
         other ranks get their own."""
         whole = {}
-        for key, (owner, shape, dtype) in self.layout.items():
+        for key, (owner, shape, dtype) in self.owners.items():
             if owner == 0:
                 if self.pipe_rank == 0:
                     whole[key] = state[key].detach().cpu()
@@ -249,6 +230,55 @@ class PipelineStrategy(Strategy):
                 dist.recv(whole[key], group=self.pipe_group, group_src=owner)
                 whole[key] = whole[key].cpu()
         return whole if self.pipe_rank == 0 else {k: v.detach().cpu() for k, v in state.items()}
+
+
+class PipelineCosts(Costs):
+    """A pipeline's bytes depend on where the network is cut (costs.carry_bytes; `islands plan` prices the cut)."""
+
+    def bytes_per_step(self, net, world, accumulate=1, compression="none", precision="fp32", sync_every=1,
+                       replicas=None) -> dict[str, float]:
+        raise ValueError("parallel.strategy: a pipeline's bytes depend on its cut; see costs.carry_bytes")
+
+    @staticmethod
+    def micro_batches(cfg: Config, stages: int) -> int:
+        """The micro-batches a plan prices: the config's own when it runs a pipeline (1F1B keeps one per stage in
+        flight), else two per stage."""
+        return max(cfg.parallel.microbatches, stages) if cfg.parallel.strategy == "pipeline" else 2 * stages
+
+
+class PipelineStrategy(Strategy):
+    """parallel.strategy=pipeline: S stages (S x V with the interleaved schedule) on S ranks, times D copies."""
+
+    name = "pipeline"
+    several_ranks = True
+    in_a_group = False  # its mesh spans the whole job
+    fp16 = False  # per-stage loss scales would drift apart
+    costs = PipelineCosts()
+
+    @classmethod
+    def options(cls, cfg: Config) -> dict:
+        par = cfg.parallel
+        return {**super().options(cfg), "stages": par.stages, "microbatches": par.microbatches,
+                "schedule": par.schedule, "virtual_stages": par.virtual_stages, "data": par.data}
+
+    def __init__(self, world: World, compression: str = "none", precision: str = "fp32", compile: bool = False,
+                 activation_checkpointing: bool = False, stages: int = 2, microbatches: int = 4,
+                 schedule: str = "1f1b", virtual_stages: int = 1, data: int | None = None):
+        super().__init__(world, compression, precision, compile, activation_checkpointing)
+        if data is None and world.size % stages:
+            raise ValueError(f"parallel.stages: {stages} stages do not divide the {world.size} ranks")
+        data = data or world.size // stages
+        if data * stages != world.size:
+            raise ValueError(f"parallel.data: {data} data-parallel copies of {stages} stages need "
+                             f"{stages * data} ranks, not {world.size}")
+        if schedule == "1f1b" and microbatches < stages:  # torch's 1F1B keeps S micro-batches in flight
+            raise ValueError(f"parallel.microbatches: the 1f1b schedule needs at least one per stage ({stages}), "
+                             f"not {microbatches}")
+        mesh = init_device_mesh(world.device.type, (data, stages), mesh_dim_names=("data", "pipe"))
+        self.layout = PipelineLayout(world, self.ledger, compression, precision, compile, activation_checkpointing,
+                                     stages=stages, data=data, microbatches=microbatches, schedule=schedule,
+                                     virtual_stages=virtual_stages, mesh=mesh)
+        self.data = DataPlan(mesh.get_local_rank("data"), data)  # the stages of one data row read the same share
 
 
 def example_input(net: nn.Module) -> tuple:

@@ -1,6 +1,6 @@
-"""The sharding strategies: ZeRO-1 (optimizer state), ZeRO-2 and FSDP2 (gradients and parameters too). Apart
-from islands/parallel/strategies.py because their torch modules take a second to import, which every other run
-(and every process of a test suite) would otherwise pay."""
+"""The sharding strategies: ZeRO-1 (optimizer state), ZeRO-2 and FSDP2 (gradients and parameters too), their layouts
+and their formulas. Apart from islands/parallel/strategies.py because their torch modules take a second to import,
+which every other run (and every process of a test suite) would otherwise pay."""
 
 import contextlib
 
@@ -12,16 +12,17 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from islands.parallel.ledger import Ledger
-from islands.parallel.strategies import OPTIMIZERS, WIRE_DTYPES, DDPStrategy, Strategy, optimizer_hyper
+from islands.parallel.checkpoint_layout import CheckpointLayout
+from islands.parallel.costs import WIRE_BYTES, Costs, dense_bytes, sharded_bytes
+from islands.parallel.launch import World
+from islands.parallel.layout import OPTIMIZERS, WIRE_DTYPES, DataParallel, Layout, optimizer_hyper
+from islands.parallel.ledger import Ledger, bytes_sent
+from islands.parallel.strategies import DDPStrategy, ReplicatedCosts, Strategy
 
 
-class Zero1Strategy(DDPStrategy):
+class Zero1Layout(DataParallel):
     """Gradients all-reduced as in DDP; each rank keeps Adam's moments of its own parameters only,
     steps them, and broadcasts them to the others."""
-
-    name = "zero1"
-    in_a_group = False  # its partitions span the whole job
 
     def optimizer(self, net: nn.Module, kind: str = "adamw", **hyper) -> torch.optim.Optimizer:
         ledger = self.ledger
@@ -33,8 +34,40 @@ class Zero1Strategy(DDPStrategy):
 
         return CountingZero(net.parameters(), optimizer_class=OPTIMIZERS[kind], **optimizer_hyper(kind, hyper))
 
+
+class ZeroPartition(CheckpointLayout):
+    """A rank holds, and writes, the optimizer state of its own partition."""
+
     def local_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return opt.optim
+
+
+class Zero1Costs(ReplicatedCosts):
+    """ddp's all-reduce, then each rank broadcasts its updated partition, one message per parameter: together one
+    all-gather of the fp32 parameters. Each accelerator keeps the weights and gradients whole, the moments sharded."""
+
+    def bytes_per_step(self, net: nn.Module, world: int, accumulate: int = 1, compression: str = "none",
+                       precision: str = "fp32", sync_every: int = 1, replicas: int | None = None) -> dict[str, float]:
+        sent = super().bytes_per_step(net, world, accumulate, compression)
+        sent["broadcast"] = bytes_sent("broadcast", dense_bytes(net.parameters()), world)
+        return sent
+
+    def state_bytes(self, world: int) -> float:
+        return 8 + 8 / world
+
+    def messages(self, net: nn.Module, accumulate: int = 1) -> dict[str, int]:
+        return {**super().messages(net), "broadcast": len(list(net.parameters()))}
+
+
+class Zero1Strategy(DDPStrategy):
+    name = "zero1"
+    in_a_group = False  # its partitions span the whole job
+    layout_class = Zero1Layout
+    costs = Zero1Costs()
+
+    def __init__(self, world: World, **options):
+        super().__init__(world, **options)
+        self.checkpoint = ZeroPartition()
 
 
 @contextlib.contextmanager
@@ -61,12 +94,10 @@ def _counting_broadcasts(ledger: Ledger):
         dist.broadcast = issue
 
 
-class FSDPStrategy(Strategy):
-    name = "fsdp"
+class FSDPLayout(Layout):
+    """`fully_shard` per block, then the root."""
+
     reshard_after_forward = True
-    several_ranks = True
-    in_a_group = False  # its mesh spans the whole job
-    fp16 = False  # GradScaler would find infinities in each rank's shard separately and let the scales drift apart
 
     def wrap(self, net: nn.Module) -> nn.Module:
         net = super().wrap(net)
@@ -99,9 +130,49 @@ class FSDPStrategy(Strategy):
         return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
 
 
+class Zero2Layout(FSDPLayout):
+    reshard_after_forward = False
+
+
+class ShardedCosts(Costs):
+    """FSDP gathers every block in forward (and, with `regather`, again in backward), once per micro-batch, and the
+    root once, in bf16 when training in bf16, and reduce-scatters each unit's gradients once per step."""
+
+    def __init__(self, regather: bool):
+        self.regather = regather
+
+    def bytes_per_step(self, net: nn.Module, world: int, accumulate: int = 1, compression: str = "none",
+                       precision: str = "fp32", sync_every: int = 1, replicas: int | None = None) -> dict[str, float]:
+        wire = WIRE_BYTES[compression] / 4
+        blocks = sharded_bytes([p for b in net.blocks for p in b.parameters()], world)
+        everything = sharded_bytes([p for n, p in net.named_parameters() if not n.startswith("blocks.")],
+                                   world) + blocks
+        gathered = (everything + (blocks if self.regather else 0)) * (0.5 if precision == "bf16" else 1)
+        return {"all_gather": bytes_sent("all_gather", accumulate * gathered, world),
+                "reduce_scatter": bytes_sent("reduce_scatter", everything * wire, world)}
+
+    def state_bytes(self, world: int) -> float:
+        # fsdp shards all of it; zero2 keeps the weights whole between forward and backward
+        return 16 / world if self.regather else 4 + 12 / world
+
+    def messages(self, net: nn.Module, accumulate: int = 1) -> dict[str, int]:
+        units = len(net.blocks) + 1 if hasattr(net, "blocks") else 1
+        return {"all_gather": units * accumulate * (2 if self.regather else 1), "reduce_scatter": units}
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    several_ranks = True
+    in_a_group = False  # its mesh spans the whole job
+    fp16 = False  # GradScaler would find infinities in each rank's shard separately and let the scales drift apart
+    layout_class = FSDPLayout
+    costs = ShardedCosts(regather=True)
+
+
 class Zero2Strategy(FSDPStrategy):
     name = "zero2"
-    reshard_after_forward = False
+    layout_class = Zero2Layout
+    costs = ShardedCosts(regather=False)
 
 
 class _CountingAllGather(DefaultAllGather):

@@ -1,5 +1,6 @@
 """How long a config's training takes on a described cluster, for every strategy: compute from the run's counted
-FLOPs, traffic from the ledger's own formulas (islands/parallel/costs.py), time on the wire from a ring model.
+FLOPs, traffic and state from each strategy's own formulas (its `costs`, the ones the ledger is tested against),
+time on the wire from a ring model. No strategy is named here but in the list of rows.
 
 The model, stated once:
 - compute per optimizer step = the images one accelerator processes x FLOPs per image (torch's flop counter on
@@ -19,14 +20,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from islands.nets import build_network
-from islands.parallel.costs import LOCAL, bytes_per_step, carry_bytes, dense_bytes
+from islands.parallel.build import strategy_class
+from islands.parallel.costs import LOCAL, carry_bytes, ddp_buckets, dense_bytes
 from islands.parallel.ledger import bytes_sent
 from islands.parallel.pipeline import balanced_cut, block_costs, example_input
 from islands.plan.network import Link, Network
 from islands.train.flops import flops_per_image
 from islands.train.objectives import build_objective
 
-BUCKET = 25 * 2**20  # DDP's default bucket
 SYNC_EVERY = (10, 50, 100, 200)
 ALL_REDUCES = ("all_reduce", "outer_all_reduce")  # 2 (W - 1) ring steps; the other collectives W - 1
 BLOCKING = ("outer_all_reduce", "broadcast")  # issued after the step, nothing to hide behind
@@ -76,7 +77,7 @@ class Planner:
         with torch.device("meta"):
             self.net = build_network(cfg.model, self.shape, num_classes)
         self.params = sum(p.numel() for p in self.net.parameters())
-        self.buckets = max(1, math.ceil(dense_bytes(self.net.parameters()) / BUCKET))  # DDP's all-reduces a step
+        self.buckets = ddp_buckets(self.net)  # DDP's all-reduces a step
         micro = max(1, self.batch // self.W // cfg.train.accumulate)
         self.flops = flops_per_image(cfg.model, self.shape, num_classes, build_objective(cfg), micro,
                                      checkpointing=cfg.train.activation_checkpointing) + encoder_flops
@@ -116,15 +117,10 @@ class Planner:
 
     # --- strategies ---
     def dense(self, strategy: str) -> Row:
-        cfg, W = self.cfg, self.W
-        sent = bytes_per_step(strategy, self.net, W, cfg.train.accumulate, cfg.parallel.compression,
-                              cfg.train.precision)
-        units = len(self.net.blocks) + 1 if hasattr(self.net, "blocks") else 1
-        calls = {"all_reduce": self.buckets, "broadcast": len(list(self.net.parameters())),
-                 "all_gather": units * cfg.train.accumulate * (2 if strategy == "fsdp" else 1), "reduce_scatter": units}
-        hide, block, where = self.traffic_s(sent, W, calls=calls)
-        state = {"ddp": 16, "zero1": 8 + 8 / W, "zero2": 4 + 12 / W, "fsdp": 16 / W}[strategy]
-        row = Row(strategy, f"{W} ranks", sent, state_gib=self.state_gib(state), slowest=where)
+        cfg, W, costs = self.cfg, self.W, strategy_class(strategy).costs
+        sent = costs.bytes_per_step(self.net, W, cfg.train.accumulate, cfg.parallel.compression, cfg.train.precision)
+        hide, block, where = self.traffic_s(sent, W, calls=costs.messages(self.net, cfg.train.accumulate))
+        row = Row(strategy, f"{W} ranks", sent, state_gib=self.state_gib(costs.state_bytes(W)), slowest=where)
         return self.finish(row, self.compute_s(self.batch / W), hide, block)
 
     def local(self, strategy: str, every: int) -> Row:
@@ -132,8 +128,9 @@ class Planner:
         n = self.net_desc
         replicas = n.islands if n.islands > 1 else self.W
         per = self.W // replicas
-        compression = "bf16" if strategy == "diloco" else "none"
-        sent = bytes_per_step(strategy, self.net, self.W, 1, compression, self.cfg.train.precision, every, replicas)
+        costs = strategy_class(strategy).costs
+        compression = costs.plan_compression
+        sent = costs.bytes_per_step(self.net, self.W, 1, compression, self.cfg.train.precision, every, replicas)
         inner = {k: v for k, v in sent.items() if k == "all_reduce"}
         # one exchange every H steps: each rank all-reduces its piece with its counterparts in the other replicas
         # (`per` rings cross the slowest link at once), then the group gathers the pieces on its own network
@@ -143,9 +140,9 @@ class Planner:
             block += collective_seconds("all_gather", sent["all_gather"] * every, per, n.slowest(per)[1])
         block /= every
         hide, _, _ = self.traffic_s(inner, per, calls={"all_reduce": self.buckets})
-        state = 16 + (8 if strategy == "diloco" else 0)  # diloco keeps the anchor and the outer momentum
-        name = f"{strategy} H={every}" + (" bf16" if compression == "bf16" else "")
-        row = Row(name, f"{replicas} replicas x {per}", sent, state_gib=self.state_gib(state), slowest=where)
+        name = f"{strategy} H={every}" + (f" {compression}" if compression != "none" else "")
+        row = Row(name, f"{replicas} replicas x {per}", sent, state_gib=self.state_gib(costs.state_bytes(self.W)),
+                  slowest=where)
         return self.finish(row, self.compute_s(self.batch / self.W), hide, block)
 
     def pipeline(self) -> Row | None:
@@ -157,7 +154,7 @@ class Planner:
         if stages < 2:
             return None
         data = self.W // stages
-        micro = max(cfg.parallel.microbatches, stages) if cfg.parallel.strategy == "pipeline" else 2 * stages
+        micro = strategy_class("pipeline").costs.micro_batches(cfg, stages)
         costs = block_costs(self.net, example_input(self.net))
         cuts = balanced_cut(costs, stages)
         share = max(sum(costs[i] for i in r) for r in cuts) / sum(costs)
@@ -185,7 +182,7 @@ class Planner:
         n = self.net_desc
         k = n.islands if n.islands > 1 else n.nodes_per_island if n.nodes_per_island > 1 else self.W
         per = self.W // k
-        sent = bytes_per_step("ddp", self.net, per) if per > 1 else {}
+        sent = strategy_class("ddp").costs.bytes_per_step(self.net, per) if per > 1 else {}
         hide, block, where = self.traffic_s(sent, per, calls={"all_reduce": self.buckets})
         row = Row("ddm experts", f"{k} experts x {per}", sent, state_gib=self.state_gib(16), slowest=where)
         return self.finish(row, self.compute_s(self.batch / self.W), hide, block,

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from islands.config import Config
+from islands.config import STRATEGIES, Config
 from islands.data.loader import training_batches
+from islands.data.order import build_order
 from islands.errors import ConfigError, TrainingStopped, config_errors
 from islands.parallel.launch import World, close_world, init_world
 from islands.rundir import atomic_write_text, latest_checkpoint
@@ -34,7 +35,7 @@ def train(cfg: Config, progress: bool = True, teacher=None, fall_back: bool = Fa
     world = init_world(cfg.parallel.timeout_s)
     progress = progress and world.is_main
     try:
-        if cfg.parallel.strategy == "tstages":
+        if STRATEGIES[cfg.parallel.strategy].path is None:  # tstages: groups of ranks, each a run of its own
             cfg, world = range_of_this_rank(cfg, world)
         return _train(cfg, world, progress, teacher, fall_back)
     finally:
@@ -64,9 +65,9 @@ def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool =
         return parts.run_dir
 
     batch, accumulate = cfg.train.batch_size, cfg.train.accumulate
-    share, shares = parts.strategy.data_shard()  # pipeline stages of one data row read the same share
+    shares = parts.strategy.data.shares  # pipeline stages of one data row read the same share
     # replicas that differ step at some ticks only, each at its own rate (islands.data.schedule)
-    schedule, replica, part, replica_ranks = parts.strategy.clock(batch)
+    schedule, replica, part, replica_ranks = parts.strategy.data.clock(batch)
     with config_errors("parallel"):  # a resume under another schedule must land on one of its ticks
         tick = schedule.tick_at(state.images)
 
@@ -74,7 +75,9 @@ def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool =
         return training_batches(parts.source, parts.space, batch, cfg.seed, world.device, cfg.data.flip,
                                 start=images, rank=replica, workers=cfg.data.workers, schedule=schedule, part=part,
                                 parts=replica_ranks, own_order=cfg.data.shards is not None,
-                                pin_memory=world.device.type == "cuda", condition=parts.condition_field)
+                                pin_memory=world.device.type == "cuda", condition=parts.condition_field,
+                                order=build_order(parts.source, cfg.seed, cfg.data.order, cfg.data.block,
+                                                  cfg.data.window))
 
     loader = batches_from(state.images)
     peak_lr = cfg.parallel.worker_lr[replica] if cfg.parallel.worker_lr else cfg.train.lr
@@ -107,17 +110,18 @@ def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool =
             state.step += 1
             tick += 1
             # The strategy may synchronise replicas here; the EMA takes in the model's weights, not a replica's.
-            credit = parts.strategy.after_step(state.images, state.images >= cfg.train.images)
-            if parts.strategy.joined not in (None, state.images):  # a replica that rejoined takes its peers' clock
+            replicas = parts.strategy.replicas
+            credit = replicas.after_step(state.images, state.images >= cfg.train.images)
+            if replicas.joined not in (None, state.images):  # a replica that rejoined takes its peers' clock
                 if world.is_main:
-                    print(f"islands: rejoined the other replicas at image {parts.strategy.joined} (from image "
+                    print(f"islands: rejoined the other replicas at image {replicas.joined} (from image "
                           f"{state.images}), with their weights", file=sys.stderr, flush=True)
-                state.images, tick = parts.strategy.joined, schedule.tick_at(parts.strategy.joined)
+                state.images, tick = replicas.joined, schedule.tick_at(replicas.joined)
                 loader = batches_from(state.images)
             if finite:
                 if parts.ema is not None and credit != 0:
                     parts.ema.update(parts.net, state.images, images if credit is None else credit,
-                                     parts.strategy.ema_weights())
+                                     replicas.ema_weights())
                 state.nonfinite_in_a_row = 0
             else:
                 state.skipped += 1
@@ -135,7 +139,7 @@ def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool =
     finally:
         for reporter in reporters:
             reporter.close()
-        parts.strategy.close()
+        parts.strategy.replicas.close()
     if world.is_main and parts.strategy.communicates:
         atomic_write_text(parts.run_dir / "communication.json", json.dumps(parts.strategy.ledger.summary(), indent=1))
     # Leave together: rank 0 may still be drawing samples, and a peer tearing down its process group
@@ -151,10 +155,10 @@ def optimizer_step(parts: Parts, micro_batches: list, lr: float) -> tuple[float,
     for group in opt.param_groups:
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)
-    loss = parts.strategy.forward_backward(parts.model, parts.objective, micro_batches, scaler)
+    loss = parts.strategy.layout.forward_backward(parts.model, parts.objective, micro_batches, scaler)
     scaler.unscale_(opt)
     params = [p for p in parts.net.parameters() if p.requires_grad]
-    grad_norm = parts.strategy.clip_grad_norm(params, parts.cfg.train.grad_clip or math.inf)
+    grad_norm = parts.strategy.layout.clip_grad_norm(params, parts.cfg.train.grad_clip or math.inf)
     finite = parts.world.all_finite(bool(torch.isfinite(loss) and torch.isfinite(grad_norm)))
     if finite:
         scaler.step(opt)

@@ -79,14 +79,15 @@ class Parts:
     def held_state(self) -> dict:
         """What each rank holds: its shards under FSDP, its optimizer partition under ZeRO-1, its stages' under a
         pipeline."""
-        held = {"model": self.net.state_dict(), "optim": adam_state(self.strategy.local_optimizer(self.opt), self.net)}
+        held = {"model": self.net.state_dict(), "optim": adam_state(self.strategy.checkpoint.local_optimizer(self.opt),
+                                                                    self.net)}
         if self.ema is not None:
             held["ema"] = self.ema.state_dict()
         return held
 
     def sharded_state(self, held: dict | None = None) -> dict:
         """The held state as the strategy lays it out in the checkpoint (a replica's under its own name)."""
-        return self.strategy.checkpoint_layout(held or self.held_state())
+        return self.strategy.checkpoint.arrange(held or self.held_state())
 
     def resume(self, fall_back: bool = False) -> Progress:
         """Load the latest complete checkpoint that can be read, in place (resharded to this run's layout and world
@@ -130,7 +131,7 @@ class Parts:
         why = why or agreed(self.world, lambda: read_sharded(ckpt, self.sharded_state(held), self.world.group))
         if why:
             return why
-        self.strategy.resumed()
+        self.strategy.checkpoint.resumed()
         self.net.load_state_dict(held["model"])
         self.scaler.load_state_dict(small["trainer"]["scaler"])
         set_rng_state(small["trainer"], self.world.device)
@@ -138,9 +139,10 @@ class Parts:
 
     def save_checkpoint(self, progress: Progress) -> Path:
         """Every rank writes its shards; rank 0 the whole weights (and EMA), the trainer's state and the counters."""
-        exports = {"model.safetensors": self.strategy.full_state_dict(self.net.state_dict())}
+        gather = self.strategy.layout.full_state_dict  # a collective under sharding
+        exports = {"model.safetensors": gather(self.net.state_dict())}
         if self.ema is not None:
-            exports["ema.safetensors"] = self.strategy.full_state_dict(self.ema.state_dict())
+            exports["ema.safetensors"] = gather(self.ema.state_dict())
         trainer = {"scaler": self.scaler.state_dict(), **rng_state(self.world.device)}
         return write_checkpoint(self.run_dir, progress.images, self.sharded_state(), exports, trainer,
                                 {"progress": asdict(progress)}, self.cfg.train.keep_checkpoints, self.main,
@@ -149,7 +151,7 @@ class Parts:
     def plain_copy(self) -> torch.nn.Module | None:
         """The averaged (else the raw) weights in a plain network on rank 0; every rank takes part in gathering
         them, and the others get None."""
-        weights = self.strategy.full_state_dict((self.ema if self.ema is not None else self.net).state_dict())
+        weights = self.strategy.layout.full_state_dict((self.ema if self.ema is not None else self.net).state_dict())
         if not self.main:
             return None
         return network_with_weights(self.cfg.model, self.shape, self.num_classes, weights, self.world.device)
@@ -177,9 +179,9 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     train, par = cfg.train, cfg.parallel
     with config_errors("parallel"):
         strategy = build_strategy(cfg, world)
-        schedule, replica, _, parts = strategy.clock(train.batch_size)
+        schedule, replica, _, parts = strategy.data.clock(train.batch_size)
     world.barrier()  # every rank has made the strategy's process groups before any may exit on an error below
-    shares = strategy.data_shard()[1]
+    shares = strategy.data.shares
     for r, b in enumerate(schedule.batches):
         if par.worker_batch and b % (parts * train.accumulate):
             raise ConfigError(f"parallel.worker_batch: replica {r}'s {b} images are not divisible by its {parts} "
@@ -190,7 +192,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
         raise ConfigError(f"train.batch_size: {train.batch_size} is not divisible by "
                           f"{shares} data-parallel ranks x accumulate={train.accumulate}")
     with config_errors("parallel"):
-        strategy.check_training(train)
+        strategy.layout.check_training(train)
     if world.is_main:
         warn_if_bf16_is_slow("train.precision", train.precision, world.device)
     run_dir = prepare_run_dir(cfg, write=False)  # its config is written once the data and network are built
@@ -230,11 +232,12 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     objective = build_objective(cfg, teacher and teacher(cfg, world.device))
     objective.prepare(net)  # how the network drops its condition; a router's prior
     with config_errors("parallel"):  # a network a pipeline cannot cut
-        model = strategy.wrap(net)
-    opt = strategy.optimizer(net, train.optimizer, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
+        model = strategy.parallelize(net)
+    opt = strategy.layout.optimizer(net, train.optimizer, lr=train.lr, betas=train.betas,
+                                    weight_decay=train.weight_decay)
     ema = EMA(net, train.ema_halflife_images, train.ema_rampup) if train.ema_halflife_images else None
     if ema is not None:  # a replica that rejoins its peers takes their EMA too
-        strategy.share("ema", ema.state_dict, ema.load_state_dict)
+        strategy.replicas.share("ema", ema.state_dict, ema.load_state_dict)
     scaler = torch.amp.GradScaler(world.device.type, init_scale=2.0**10, enabled=train.precision == "fp16")
     if world.is_main:  # only a config that builds lands in the folder
         write_config(cfg)

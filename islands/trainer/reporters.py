@@ -122,7 +122,7 @@ class Checkpointer(Reporter):
 
     def report(self, step: Step) -> None:
         self.parts.save_checkpoint(step.progress)
-        self.parts.strategy.check_consistency(self.parts.net)
+        self.parts.strategy.layout.check_consistency(self.parts.net)
         self.parts.world.barrier()
 
 
