@@ -44,6 +44,13 @@ class _Data(Section):
     # a text-conditioned run's captions encoder: "minilm" (MiniLM-L6, bundled in the `text` extra) or a folder of a
     # transformers text model (CLIP's, T5's, ...; islands/nets/text_folder.py)
     text_encoder: str = "minilm"
+    # the order examples are read in (islands/data/order.py): global, a permutation of all of them per epoch; blocks,
+    # shuffled blocks of contiguous examples of one shard, a window of blocks at a time (for slow storage)
+    order: Literal["global", "blocks"] = "global"
+    # order blocks: the examples of a block, read together
+    block: int = Field(256, ge=1)
+    # order blocks: the blocks read at once, their examples shuffled together (what a batch mixes)
+    window: int = Field(8, ge=1)
 
 
 class Mnist5kData(_Data):

@@ -23,6 +23,7 @@ from test_parallel import (
 from islands.config import Config, validate
 from islands.data import ClusterSubset, GMMSource
 from islands.data.loader import StreamOrder
+from islands.data.order import GlobalOrder
 from islands.data.schedule import WorkerSchedule
 from islands.nets import build_network
 from islands.parallel.launch import World
@@ -242,7 +243,7 @@ def test_a_sharded_replica_reads_its_own_cluster_in_its_own_order_under_global_p
     seen = {}
     for r in (0, 1):
         shard = ClusterSubset(source, cluster, r)
-        order = iter(StreamOrder(len(shard), s, seed=1, replica=r, own_order=True))
+        order = iter(StreamOrder(GlobalOrder(len(shard), 1), s, replica=r, own_order=True))
         seen[r] = [next(order) for _ in range(4)]
         indices = [i for batch in seen[r] for i, _ in batch]
         # its own clock: each epoch of its 20 examples is a permutation of them

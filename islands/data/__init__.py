@@ -44,7 +44,7 @@ def _build_source(cfg, seed: int) -> Source:
         return GMMSource(cfg.means, cfg.std, cfg.weights, size=cfg.size, seed=seed)
     # the source's own keys
     options = cfg.model_dump(exclude={"source", "flip", "workers", "partition", "cluster", "shards", "autoencoder",
-                                      "text_encoder"})
+                                      "text_encoder", "order", "block", "window"})
     if cfg.source == "fashion_mnist" and options["path"] is None:
         del options["path"]  # the source's default place
     return build_source(cfg.source, **options)

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from islands.data import streams
 from islands.data.batch import Batch
+from islands.data.order import GlobalOrder
 from islands.data.schedule import WorkerSchedule
 from islands.data.sources import CLUSTER, LABEL, X
 from islands.data.space import DataSpace
@@ -29,23 +30,18 @@ class StreamOrder:
     """An infinite batch sampler of (example index, stream position) pairs for one rank: its part of its
     replica's slice at every tick its replica steps (islands.data.schedule)."""
 
-    def __init__(self, num_examples: int, schedule: WorkerSchedule, seed: int, start: int = 0, replica: int = 0,
-                 part: int = 0, parts: int = 1, own_order: bool = False):
+    def __init__(self, order, schedule: WorkerSchedule, start: int = 0, replica: int = 0, part: int = 0,
+                 parts: int = 1, own_order: bool = False):
         if schedule.batches[replica] % parts:
             raise ValueError(f"a replica's batch of {schedule.batches[replica]} is not divisible by its {parts} ranks")
-        self.n, self.schedule, self.seed, self.tick = num_examples, schedule, seed, schedule.tick_at(start)
+        self.order, self.schedule, self.tick = order, schedule, schedule.tick_at(start)  # data/order.py
         self.replica, self.part, self.parts = replica, part, parts
         # own_order: the replica reads its own data (a shard) in an order of its own, on its own image clock; the
         # positions, which key the noise, stay the global ones
         self.own_order = own_order
-        self._epoch, self._perm = -1, None
 
     def index_of(self, position: int) -> int:
-        epoch = position // self.n
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._perm = torch.randperm(self.n, generator=streams.generator(self.seed, epoch, "order"))
-        return int(self._perm[position % self.n])
+        return self.order.index_of(position)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         s, r = self.schedule, self.replica
@@ -87,13 +83,14 @@ def _already_batched(batch):
 def stream_loader(source, batch_size: int, seed: int, start: int = 0, rank: int = 0, world: int = 1,
                   workers: int = 0, flip: bool | None = None, schedule: WorkerSchedule | None = None, part: int = 0,
                   parts: int = 1, own_order: bool = False, pin_memory: bool = False, shape: tuple | None = None,
-                  condition: str = LABEL) -> DataLoader:
+                  condition: str = LABEL, order=None) -> DataLoader:
     """Infinite loader of `Batch`es for this rank's slice of each global batch of `batch_size` images (`world`
     ranks), or, given a schedule, of replica `rank`'s batches (its `part` of `parts`); in page-locked memory with
     `pin_memory`, for a GPU to copy asynchronously. Their examples come as the source holds them, with the flips to
-    apply (`flip`; None: the source's own default) and the noise drawn at `shape` (None: the source's)."""
+    apply (`flip`; None: the source's own default) and the noise drawn at `shape` (None: the source's), in `order`
+    (data/order.py; None: a global permutation per epoch)."""
     schedule = schedule or WorkerSchedule.even(batch_size, world)
-    order = StreamOrder(len(source), schedule, seed, start, rank, part, parts, own_order)
+    order = StreamOrder(order or GlobalOrder(len(source), seed), schedule, start, rank, part, parts, own_order)
     dataset = StreamDataset(source, seed, source.flip if flip is None else flip, tuple(shape or source.shape),
                             condition)
     # Its own generator: a DataLoader iterator otherwise draws its worker seed from the global RNG,

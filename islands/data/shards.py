@@ -321,6 +321,11 @@ class ShardSource(Source):
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    @property
+    def shard_starts(self) -> tuple:
+        """Each shard's first example, then the number of examples: where the blocks of data.order blocks are cut."""
+        return tuple(int(s) for s in self.starts)
+
     def __getstate__(self):  # a worker started by spawn opens and maps its own files
         return {**self.__dict__, "_files": OrderedDict(), "_indices": {}}
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 _MASK = (1 << 64) - 1
 PURPOSES = {"noise": 1, "time": 2, "label_drop": 3, "flip": 4, "sample": 5, "order": 6, "validation": 7,
-            "oracle": 8, "latent": 9}
+            "oracle": 8, "latent": 9, "block": 10}
 
 
 def _splitmix64(z: int) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from islands.config import STRATEGIES, Config
 from islands.data.loader import training_batches
+from islands.data.order import build_order
 from islands.errors import ConfigError, TrainingStopped, config_errors
 from islands.parallel.launch import World, close_world, init_world
 from islands.rundir import atomic_write_text, latest_checkpoint
@@ -74,7 +75,9 @@ def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool =
         return training_batches(parts.source, parts.space, batch, cfg.seed, world.device, cfg.data.flip,
                                 start=images, rank=replica, workers=cfg.data.workers, schedule=schedule, part=part,
                                 parts=replica_ranks, own_order=cfg.data.shards is not None,
-                                pin_memory=world.device.type == "cuda", condition=parts.condition_field)
+                                pin_memory=world.device.type == "cuda", condition=parts.condition_field,
+                                order=build_order(parts.source, cfg.seed, cfg.data.order, cfg.data.block,
+                                                  cfg.data.window))
 
     loader = batches_from(state.images)
     peak_lr = cfg.parallel.worker_lr[replica] if cfg.parallel.worker_lr else cfg.train.lr
