@@ -11,7 +11,6 @@ them by any routing policy, with no Islands installed; OUT/ddm.json names everyt
 priors, the sampling defaults and the ensemble's config, which `islands import` reads back.
 """
 
-import json
 import shutil
 from pathlib import Path
 
@@ -19,12 +18,20 @@ import yaml
 from safetensors.torch import save_file
 
 from islands import __version__
-from islands.config import load_config, validate
+from islands.config import load_config
 from islands.ddm import diffusers_pipeline
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_WEIGHTS
-from islands.ddm.ensemble import MANIFEST, member_network, read_manifest, read_verified
+from islands.ddm.ensemble import MANIFEST, read_manifest, read_verified
 from islands.ddm.mixture import DEFAULT_ROUTING
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
+from islands.ddm.records import (
+    VERSION,
+    ConditionRouterRecord,
+    EnsembleManifest,
+    ExportedExpert,
+    ExportedIndex,
+    MemberRecord,
+)
 from islands.ddm.runs import partition_dir
 from islands.errors import ConfigError
 from islands.export import null_caption, own_model, scheduler_for, shipped_source, text_record, write_package
@@ -37,35 +44,35 @@ from islands.untrusted import file_sha256
 INDEX = diffusers_pipeline.INDEX
 
 
-def _refuse_unless_exportable(root: Path, manifest: dict, cfg) -> None:
+def _refuse_unless_exportable(root: Path, manifest: EnsembleManifest, cfg) -> None:
     """One line naming what keeps the ensemble from the layout: only finished, rectified-flow, diffusers experts on
     pixels, one per cluster, sample as the pipeline samples."""
-    if manifest.get("t_ranges"):
+    if manifest.t_ranges:
         raise ConfigError(f"ddm.t_ranges: {root} is a grid of timestep-range experts; the open DDM layout holds one "
                           f"expert per cluster")
-    if manifest.get("autoencoder_sha256"):
+    if manifest.autoencoder_sha256:
         raise ConfigError(f"data.autoencoder: {root}'s experts learnt latents, and the export ships no autoencoder "
                           f"to decode them")
-    for entry in manifest["experts"]:
-        if "weights" not in entry:
-            raise ConfigError(f"{entry['name']} of {root} has no finished checkpoint; a published ensemble ships every "
+    for entry in manifest.experts:
+        if not entry.trained:
+            raise ConfigError(f"{entry.name} of {root} has no finished checkpoint; a published ensemble ships every "
                               f"expert")
-        if entry["model"]["arch"] not in ("diffusers", *OWN_NETWORK_ARGUMENTS):
-            raise ConfigError(f"model.arch: {entry['name']} is a {entry['model']['arch']!r}, which has no diffusers "
+        if entry.arch not in ("diffusers", *OWN_NETWORK_ARGUMENTS):
+            raise ConfigError(f"model.arch: {entry.name} is a {entry.arch!r}, which has no diffusers "
                               f"counterpart; an ensemble's experts export from model.arch diffusers, unet or dit")
-        if (entry["path"], entry["prediction"]) != ("rectified_flow", "velocity"):
-            raise ConfigError(f"flow.path: {entry['name']} learnt {entry['path']} {entry['prediction']}; the pipeline "
+        if (entry.path, entry.prediction) != ("rectified_flow", "velocity"):
+            raise ConfigError(f"flow.path: {entry.name} learnt {entry.path} {entry.prediction}; the pipeline "
                               f"mixes rectified-flow velocities")
     scheduler_for(cfg)  # the ensemble's own flow section, the one its samples are drawn with
 
 
-def _router_arguments(entry: dict) -> dict:
-    model = entry["model"]
-    channels, size = entry["shape"][0], entry["shape"][1]
-    return {"sample_size": size, "in_channels": channels, "num_experts": model["outputs"],
-            "patch_size": model["patch_size"], "hidden_size": model["hidden_size"] or 128,
-            "depth": model["depth"] or 4, "num_heads": model["num_heads"] or 4, "num_classes": entry["num_classes"],
-            "pooled_width": model["text_pooled_width"] if model.get("condition") == "text" else 0}
+def _router_arguments(entry: MemberRecord) -> dict:
+    model = entry.config().model
+    channels, size = entry.shape[0], entry.shape[1]
+    return {"sample_size": size, "in_channels": channels, "num_experts": model.outputs,
+            "patch_size": model.patch_size, "hidden_size": model.hidden_size or 128,
+            "depth": model.depth or 4, "num_heads": model.num_heads or 4, "num_classes": entry.num_classes,
+            "pooled_width": model.text_pooled_width if model.condition == "text" else 0}
 
 
 def export_ensemble(root: Path, out: Path) -> Path:
@@ -80,40 +87,39 @@ def export_ensemble(root: Path, out: Path) -> Path:
 
     building = start_building(out)  # one a killed export left is removed; a person's `.OUT.partial` refused
     experts = []
-    for k, entry in enumerate(manifest["experts"]):
-        arch, folder = entry["model"]["arch"], f"expert_{k}"
-        net = member_network(entry, read_verified(root, entry), "cpu")
+    for k, entry in enumerate(manifest.experts):
+        arch, folder = entry.arch, f"expert_{k}"
+        net = entry.network(read_verified(root, entry), "cpu")
         if arch == "diffusers":
             model = net.to_diffusers()
         else:  # Islands' own network, as the diffusers class whose code ships in islands_networks/
-            model = own_model(validate({"run_dir": ".", "model": entry["model"]}), entry, net, arch)
+            model = own_model(entry.config(), entry.dump(), net, arch)
         model.save_pretrained(building / folder, safe_serialization=True)
         if arch == "diffusers" and net.text is not None:  # its learned "no caption", not among the class's weights
             save_file(null_caption(net), building / folder / NULL_CAPTION)
-        experts.append({"name": entry["name"], "folder": folder, "class_name": type(model).__name__, "cluster": k,
-                        "size": entry["size"], "source_sha256": entry["sha256"], "islands_model": entry["model"]})
-    if any(e["model"]["arch"] != "diffusers" for e in manifest["experts"]):
+        experts.append(ExportedExpert(name=entry.name, folder=folder, class_name=type(model).__name__, cluster=k,
+                                      size=entry.size, source_sha256=entry.sha256, islands_model=entry.model))
+    if any(e.arch != "diffusers" for e in manifest.experts):
         write_package(building, {name: shipped_source(name) for name in SHIPPED})
-    index = {"_class_name": "DDMPipeline", "islands_version": __version__, "k": manifest["k"],
-             "shape": manifest["experts"][0]["shape"], "num_classes": cfg.model.num_classes,
-             "condition": cfg.model.condition, "prior": manifest["prior"], "experts": experts}
+    first = manifest.experts[0]
+    index = {"_class_name": "DDMPipeline", "islands_version": __version__, "version": VERSION, "k": manifest.k,
+             "shape": first.shape, "num_classes": cfg.model.num_classes,
+             "condition": cfg.model.condition, "prior": manifest.prior, "experts": experts}
     if cfg.model.condition == "text":  # how a prompt becomes the experts' caption (every expert encodes alike)
-        text = text_record(cfg, root / manifest["experts"][0]["run"], ())
+        text = text_record(cfg, root / first.run, ())
         index["text"] = {k: v for k, v in text.items() if k not in ("arguments", "null_caption")}
-    if manifest.get("prior_by_class"):  # the last row: no class, the sizes
-        index["prior_by_class"] = manifest["prior_by_class"] + [manifest["prior"]]
-    router = manifest["router"]
-    if "weights" in router:  # without one, only ancestral routing samples it
+    if manifest.prior_by_class:  # the last row: no class, the sizes
+        index["prior_by_class"] = manifest.prior_by_class + [manifest.prior]
+    router = manifest.router
+    if router.trained:  # without one, only ancestral routing samples it
         model = diffusers_pipeline.DDMRouter(**_router_arguments(router))
         model.load_state_dict(read_verified(root, router))  # strict: every weight under the same name
         model.save_pretrained(building / "router", safe_serialization=True)
         index["router"] = "router"
-    if "condition_router" in manifest:
-        spec = manifest["condition_router"]
+    if (spec := manifest.condition_router) is not None:
         (building / ROUTER_FOLDER).mkdir()
         save_file(read_verified(root, spec), building / ROUTER_FOLDER / ROUTER_WEIGHTS)
-        index["condition_router"] = {**{k: spec[k] for k in ("width", "clusters", "hidden")},
-                                     "weights": f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}"}
+        index["condition_router"] = ConditionRouterRecord(**spec.sizes, weights=f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}")
     scheduler_for(cfg).save_pretrained(building / "scheduler")
     (building / "partition").mkdir()
     for name in (META_FILE, ARRAYS_FILE):
@@ -124,7 +130,7 @@ def export_ensemble(root: Path, out: Path) -> Path:
     index["islands_config"] = yaml.safe_load((root / "config.yaml").read_text())
     index["files"] = {str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*"))
                       if p.is_file() and p.name != BUILDING_MARKER}  # the marker leaves before the rename
-    (building / INDEX).write_text(json.dumps(index, indent=1))
+    (building / INDEX).write_text(ExportedIndex.read(index, building / INDEX).dumps())
     return finish_building(building, out)
 
 

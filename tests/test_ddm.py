@@ -110,7 +110,7 @@ def component_of_cluster(root) -> list[int]:
 def test_the_ensemble_samples_every_mode_and_records_its_cost(ensemble):
     cfg, root = ensemble
     manifest = read_manifest(root)
-    assert [(e["path"], e["prediction"]) for e in manifest["experts"]] == [("rectified_flow", "velocity")] * 3 + \
+    assert [(e.path, e.prediction) for e in manifest.experts] == [("rectified_flow", "velocity")] * 3 + \
         [("cosine", "epsilon")]
     (key, ancestral), = json.loads((root / "metrics.json").read_text()).items()
     assert "routing=ancestral" in key  # the default policy: each sample's expert drawn from the cluster sizes
@@ -142,7 +142,7 @@ def test_experts_see_only_their_cluster_and_cost_what_the_monolith_costs(ensembl
     router = json.loads((root / "router" / "flops.json").read_text())
     assert router["training_flops"] > 0 and router_config(cfg).train.objective == "router"
     # the manifest's p(cluster | class): every component lies whole in its own cluster
-    by_class = np.array(read_manifest(root)["prior_by_class"])
+    by_class = np.array(read_manifest(root).prior_by_class)
     assert np.allclose(by_class[component_of_cluster(root), range(4)], 1.0)
 
 
@@ -199,7 +199,7 @@ def test_a_router_from_before_the_prior_anchor_is_refused_by_name(ensemble, tmp_
     cfg, root = ensemble
     copy = tmp_path / "ensemble"
     shutil.copytree(root, copy)
-    weights = copy / read_manifest(copy)["router"]["weights"]
+    weights = copy / read_manifest(copy).router.weights
     save_file({k: v for k, v in load_file(weights).items() if k != "anchor.log_prior"}, weights)
     write_manifest(cfg.model_copy(update={"run_dir": str(copy)}))  # the hashes of the files as they are now
     assert main(["sample", str(copy), "--num", "8", "--out", str(tmp_path / "out"), "--routing", "full",
@@ -216,7 +216,7 @@ def test_a_missing_expert_is_survived_with_one_line_for_people_and_a_warning_for
     copy = tmp_path / "ensemble"
     shutil.copytree(root, copy)
     manifest = read_manifest(copy)
-    weights = copy / manifest["experts"][2]["weights"]
+    weights = copy / manifest.experts[2].weights
     weights.unlink()
     assert main(["sample", str(copy), "--num", "40", "--out", str(tmp_path / "out"), "--quiet",
                  "--routing", "full"]) == 0
@@ -262,7 +262,7 @@ def test_a_tampered_expert_and_a_pickle_posing_as_one_are_refused(ensemble, tmp_
     _, root = ensemble
     copy = tmp_path / "ensemble"
     shutil.copytree(root, copy)
-    manifest = read_manifest(copy)
+    manifest = json.loads((copy / "ensemble.json").read_text())  # the file, as a lying island edits it
     weights = copy / manifest["experts"][1]["weights"]
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
@@ -288,8 +288,8 @@ def test_an_expert_swapped_after_the_ensemble_was_opened_is_refused_when_it_is_l
     mixture, _ = load_ensemble(copy, "full", max_loaded=1)
     x, t = torch.zeros(2, 2), torch.full((2,), 0.5)
     mixture(x, t)  # every expert built in turn, each dropped for the next
-    first = copy / manifest["experts"][0]["weights"]
-    shutil.copyfile(copy / manifest["experts"][1]["weights"], first)  # a valid expert of the same shape, another one
+    first = copy / manifest.experts[0].weights
+    shutil.copyfile(copy / manifest.experts[1].weights, first)  # a valid expert of the same shape, another one
     with pytest.raises(CheckpointError, match=f"{first}: sha256 does not match"):
         mixture(x, t)
 
@@ -300,7 +300,7 @@ def test_a_manifest_entry_that_leads_out_of_the_ensemble_folder_is_refused(ensem
     _, root = ensemble
     copy = tmp_path / "ensemble"
     shutil.copytree(root, copy)
-    manifest = read_manifest(copy)
+    manifest = json.loads((copy / "ensemble.json").read_text())  # the file, as a hostile island edits it
     entry = manifest["router"] if member == "router" else manifest["experts"][1]
     outside = tmp_path / "x.safetensors"
     shutil.copyfile(copy / entry["weights"], outside)  # the same bytes: the manifest's sha256 holds for it
@@ -374,7 +374,7 @@ def test_emitted_scripts_train_an_island_from_the_ensemble_config(ensemble, tmp_
         assert done.returncode == 0, done.stderr[-2000:]
     trained = yaml.safe_load((moved / "experts" / "1" / "config.yaml").read_text())
     assert trained == to_dict(expert_config(cfg.model_copy(update={"run_dir": str(moved)}), 1))
-    assert read_manifest(moved)["experts"][1]["weights"].startswith("experts/1/checkpoints/")
+    assert read_manifest(moved).experts[1].weights.startswith("experts/1/checkpoints/")
 
     assert main(["ddm", str(moved / "config.yaml"), f"run_dir={moved}", "--emit", "slurm"]) == 0
     for script in (moved / "launch").glob("*.sh"):

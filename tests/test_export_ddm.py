@@ -90,8 +90,8 @@ def test_the_folder_is_the_open_ddm_layout_every_file_hashed(ensemble):
     for k, expert in enumerate(index["experts"]):
         assert (out / f"expert_{k}" / "config.json").is_file()
         assert json.loads((out / f"expert_{k}" / "config.json").read_text())["_class_name"] == expert["class_name"]
-        assert expert["source_sha256"] == manifest["experts"][k]["sha256"]
-    assert index["prior"] == manifest["prior"] and index["prior_by_class"][:-1] == manifest["prior_by_class"]
+        assert expert["source_sha256"] == manifest.experts[k].sha256
+    assert index["prior"] == manifest.prior and index["prior_by_class"][:-1] == manifest.prior_by_class
     assert json.loads((out / "scheduler" / "scheduler_config.json").read_text())["shift"] == 2.0
     on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"ddm.json"}
     assert set(index["files"]) == on_disk
@@ -230,9 +230,9 @@ def test_a_run_trained_here_joins_an_imported_ensemble_as_one_more_expert(ensemb
     joined = tmp_path / "joined"
     assert main(["import", str(ensemble / "out"), str(joined), "--expert", str(tmp_path / "run")]) == 0
     manifest = read_manifest(joined)
-    sizes = [e["size"] for e in read_manifest(ensemble / "ens")["experts"]] + [32]
-    assert manifest["k"] == 3 and manifest["prior"] == pytest.approx([s / sum(sizes) for s in sizes])
-    assert manifest["prior_by_class"][0][2] == pytest.approx(8 / (8 + 16))  # 64 examples, 16 of class 0, before
+    sizes = [e.size for e in read_manifest(ensemble / "ens").experts] + [32]
+    assert manifest.k == 3 and manifest.prior == pytest.approx([s / sum(sizes) for s in sizes])
+    assert manifest.prior_by_class[0][2] == pytest.approx(8 / (8 + 16))  # 64 examples, 16 of class 0, before
 
     labels = torch.arange(32) % 4
     opts = {"steps": STEPS, "guidance": GUIDANCE, "time_shift": 2.0}  # the ensemble's, for the run too

@@ -10,7 +10,6 @@ exist, and a warning names the missing one.
 import functools
 import hashlib
 import json
-import math
 import warnings
 from pathlib import Path
 
@@ -18,24 +17,22 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 
-from islands.config import Config, to_dict, validate
+from islands.config import Config, to_dict
 from islands.data.captions import recorded_text_encoder
 from islands.data.latents import recorded_sha256
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS, ConditionRouter, condition_prior
 from islands.ddm.mixture import DEFAULT_ROUTING, ExpertSlot, Mixture, PriorRouter, parse_routing
+from islands.ddm.records import VERSION, ConditionRouterRecord, EnsembleManifest, MemberRecord, Priors
 from islands.ddm.runs import ensemble_dir, expert_dir, expert_runs, partition_dir, router_dir
 from islands.ddm.time_gate import TimeGate
 from islands.errors import CheckpointError, DataError, IslandsWarning
 from islands.flow.denoiser import NetworkDenoiser
 from islands.flow.paths import PATH_OPTIONS, build_path
-from islands.generate import network_with_weights
-from islands.nets import build_network
 from islands.nets.router import route
 from islands.rundir import atomic_write_text, describe_run, latest_checkpoint, weights_file
-from islands.untrusted import check_fits, file_sha256, inside
+from islands.untrusted import file_sha256, inside
 
 MANIFEST = "ensemble.json"
-PRIOR_TOLERANCE = 1e-6  # a prior's shares, written as sizes / their sum, sum to 1 within rounding
 
 
 def _entry(root: Path, run: Path, name: str) -> dict:
@@ -99,11 +96,12 @@ def write_manifest(cfg: Config) -> dict:
     if partition.get("sizes_by_class"):  # p(cluster | class), for ancestral routing of class-conditional samples
         manifest["prior_by_class"] = [[c / sum(row) for c in row] if sum(row) else prior
                                       for row in partition["sizes_by_class"]]
-    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=1))
-    return manifest
+    record = EnsembleManifest.read({"version": VERSION, **manifest}, root / MANIFEST)
+    atomic_write_text(root / MANIFEST, record.dumps())
+    return record.dump()
 
 
-def read_manifest(root: Path) -> dict:
+def read_manifest(root: Path) -> EnsembleManifest:
     """The manifest, its values checked before anything uses them: an ensemble may have come from another island."""
     root = Path(root)
     try:
@@ -111,146 +109,65 @@ def read_manifest(root: Path) -> dict:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"cannot read ensemble manifest {root / MANIFEST}: {err}") from None
-    check_manifest(manifest, root / MANIFEST)
-    return manifest
+    return EnsembleManifest.read(manifest, root / MANIFEST)
 
 
-def count(value, what: str, least: int = 0) -> int:
-    """A whole number of at least `least` (not a bool, a float or a string), or one line naming `what`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise CheckpointError(f"{what}: {value!r} is not a whole number of at least {least}")
-    return value
-
-
-def prior_of(value, k: int, what: str) -> list[float]:
-    """A distribution over k clusters: k finite, non-negative numbers summing to 1, or one line naming `what`."""
-    if not isinstance(value, list) or len(value) != k:
-        raise CheckpointError(f"{what}: {value!r} is not a list of {k} shares, one per cluster")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-               for v in value):
-        raise CheckpointError(f"{what}: {value!r} holds a share that is not a finite number of at least 0")
-    if abs(sum(value) - 1) > PRIOR_TOLERANCE:
-        raise CheckpointError(f"{what}: {value!r} does not sum to 1 (its sum is {sum(value)})")
-    return value
-
-
-def priors_by_class(value, classes: int, k: int, what: str) -> list[list[float]]:
-    """One distribution over the k clusters per class of the data: at least one per class the experts take (an
-    unconditional ensemble of labelled data has them too, for ancestral routing by class)."""
-    if not isinstance(value, list) or len(value) < classes:
-        raise CheckpointError(f"{what}: not a list of at least {classes} rows, one per class")
-    return [prior_of(row, k, f"{what}[{c}]") for c, row in enumerate(value)]
-
-
-def _check_member(entry, what: str) -> None:
-    if not isinstance(entry, dict):
-        raise CheckpointError(f"{what}: {entry!r} is not a member's entry")
-    if "size" in entry:
-        count(entry["size"], f"{what}.size")
-    if "weights" in entry:  # what its network is built from
-        if not isinstance(entry.get("shape"), list) or not 1 <= len(entry["shape"]) <= 4:
-            raise CheckpointError(f"{what}.shape: {entry.get('shape')!r} is not the shape of one example")
-        for n, side in enumerate(entry["shape"]):
-            count(side, f"{what}.shape[{n}]", 1)
-        count(entry.get("num_classes"), f"{what}.num_classes")
-    for n, part in enumerate(entry.get("ranges") or []):
-        _check_member(part, f"{what}.ranges[{n}]")
-
-
-def check_manifest(manifest, path: Path) -> None:
-    """The manifest's counts, shapes and priors are what sampling can use, or one line naming the key."""
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("experts"), list) or not manifest["experts"]:
-        raise CheckpointError(f"{path}: not an ensemble manifest (no list of experts)")
-    k = len(manifest["experts"])
-    if count(manifest.get("k"), f"{path}: k", 1) != k:
-        raise CheckpointError(f"{path}: k: {manifest['k']} but {k} experts are listed")
-    for n, entry in enumerate(manifest["experts"]):
-        _check_member(entry, f"{path}: experts[{n}]")
-    _check_member(manifest.get("router"), f"{path}: router")
-    prior_of(manifest.get("prior"), k, f"{path}: prior")
-    if manifest.get("prior_by_class"):
-        classes = next((e["num_classes"] for e in manifest["experts"] if "num_classes" in e), None)
-        if classes is None:
-            raise CheckpointError(f"{path}: prior_by_class: no expert says how many classes there are")
-        priors_by_class(manifest["prior_by_class"], classes, k, f"{path}: prior_by_class")
-    if (spec := manifest.get("condition_router")) is not None:
-        check_condition_router(spec, k, f"{path}: condition_router")
-
-
-def check_condition_router(spec, k: int, what: str) -> None:
-    if not isinstance(spec, dict):
-        raise CheckpointError(f"{what}: {spec!r} is not a condition router's entry")
-    for key in ("width", "clusters", "hidden"):
-        count(spec.get(key), f"{what}.{key}", 1)
-    if spec["clusters"] != k:
-        raise CheckpointError(f"{what}.clusters: {spec['clusters']} but the ensemble has {k} clusters")
-
-
-def _weights_path(root: Path, entry: dict) -> Path:
+def _weights_path(root: Path, entry: MemberRecord | ConditionRouterRecord) -> Path:
     """The entry's weights file, which must lie inside the ensemble folder (islands/untrusted.py's rule): a manifest
     that points elsewhere would have files read that nobody copied in with the ensemble."""
     try:
-        return inside(root, entry["weights"], "ensemble folder")
+        return inside(root, entry.weights, "ensemble folder")
     except DataError:
-        raise CheckpointError(f"{root / MANIFEST}: {entry['name']}'s weights {entry['weights']} lie outside {root}; "
-                              f"refusing {entry['name']}") from None
+        raise CheckpointError(f"{root / MANIFEST}: {entry.name}'s weights {entry.weights} lie outside {root}; "
+                              f"refusing {entry.name}") from None
 
 
-def read_verified(root: Path, entry: dict) -> dict:
+def read_verified(root: Path, entry: MemberRecord | ConditionRouterRecord) -> dict:
     """The entry's weights, at every load: the bytes that are hashed are the bytes deserialised, so a file swapped
     after the ensemble was opened (or between the check and the read) is never used."""
     path = _weights_path(root, entry)
     try:
         data = path.read_bytes()
     except OSError as err:
-        raise CheckpointError(f"cannot read {path}: {err}; refusing {entry['name']}") from None
-    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
-        raise CheckpointError(f"{path}: sha256 does not match {MANIFEST}; refusing {entry['name']}")
+        raise CheckpointError(f"cannot read {path}: {err}; refusing {entry.name}") from None
+    if hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise CheckpointError(f"{path}: sha256 does not match {MANIFEST}; refusing {entry.name}")
     try:
         return safetensors_load(data)
     except SafetensorError as err:
-        raise CheckpointError(f"{path}: not a valid safetensors file ({err}); refusing {entry['name']}") from None
+        raise CheckpointError(f"{path}: not a valid safetensors file ({err}); refusing {entry.name}") from None
 
 
-def _verified(root: Path, entry: dict) -> tuple[bool, str]:
+def _verified(root: Path, entry: MemberRecord) -> tuple[bool, str]:
     """Whether the entry's weights are there, checked now so that a bad file stops the run before anything is
     sampled; if not, why (missing or unfinished: the mixture warns when it routes around it)."""
-    if "weights" not in entry:  # an imported ensemble says why it has none (islands/ddm/imported.py)
-        return False, entry.get("why", f"has no finished checkpoint ({root / entry['run']})")
+    if not entry.trained:  # an imported ensemble says why it has none (islands/ddm/imported.py)
+        return False, entry.why or f"has no finished checkpoint ({root / entry.run})"
     if not _weights_path(root, entry).is_file():
-        return False, f"is missing from disk ({root / entry['weights']})"
+        return False, f"is missing from disk ({root / entry.weights})"
     read_verified(root, entry)
     return True, ""
 
 
-def member_network(entry: dict, weights: dict, device) -> torch.nn.Module:
-    """The network a manifest entry describes, holding `weights`; built only as large as they are (an ensemble folder
-    copied from elsewhere may name any size), checked on the meta device first."""
-    model_cfg = validate({"run_dir": ".", "model": entry["model"]}).model
-    shape, classes = tuple(entry["shape"]), entry["num_classes"]
-    check_fits(lambda: build_network(model_cfg, shape, classes), sum(w.numel() for w in weights.values()),
-               f"the model of {entry.get('name', 'a member')}")
-    return network_with_weights(model_cfg, shape, classes, weights, device)
-
-
-def _expert(root: Path, entry: dict, device) -> NetworkDenoiser:
+def _expert(root: Path, entry: MemberRecord | dict, device) -> NetworkDenoiser:
     """An expert in the canonical frame, whatever path (and schedule) and prediction it was trained with. Manifests
     written before a path took options lack them: the path's defaults apply."""
-    flow_path = build_path(entry["path"], **{key: entry[key] for key in PATH_OPTIONS if key in entry})
-    return NetworkDenoiser(member_network(entry, read_verified(root, entry), device), flow_path, entry["prediction"])
+    entry = MemberRecord.of(entry)
+    flow_path = build_path(entry.path, **entry.path_options(PATH_OPTIONS))
+    return NetworkDenoiser(entry.network(read_verified(root, entry), device), flow_path, entry.prediction)
 
 
-def _gated(root: Path, entry: dict, device) -> TimeGate:
+def _gated(root: Path, entry: MemberRecord, device) -> TimeGate:
     """A cluster's range experts behind their gate by t."""
-    return TimeGate([_expert(root, part, device) for part in entry["ranges"]], entry["t_ranges"])
+    return TimeGate([_expert(root, part, device) for part in entry.ranges], entry.t_ranges)
 
 
-def _router_network(root: Path, entry: dict, device) -> torch.nn.Module:
+def _router_network(root: Path, entry: MemberRecord, device) -> torch.nn.Module:
     weights = read_verified(root, entry)
     if "anchor.log_prior" not in weights:  # its logits were not anchored: read as anchored they would be wrong
-        raise CheckpointError(f"{root / entry['weights']}: this router was trained before routers were anchored at "
+        raise CheckpointError(f"{root / entry.weights}: this router was trained before routers were anchored at "
                               "the prior; retrain it: islands train ENSEMBLE/config.yaml router")
-    return member_network(entry, weights, device)
+    return entry.network(weights, device)
 
 
 class LearnedRouter:
@@ -263,34 +180,34 @@ class LearnedRouter:
 
 
 def load_ensemble(root: Path, routing: str = DEFAULT_ROUTING, max_loaded: int | None = None, seed: int = 0,
-                  device="cpu", call_batch: int | None = None) -> tuple[Mixture, dict]:
+                  device="cpu", call_batch: int | None = None) -> tuple[Mixture, EnsembleManifest]:
     """The ensemble as one `Denoiser`: every file verified now, and again each time an expert's network is built
     (when first needed, and after `max_loaded` dropped it); no expert call larger than `call_batch` samples."""
     root = Path(root)
     manifest = read_manifest(root)
     slots = []
-    for entry in manifest["experts"]:
-        if "ranges" in entry:  # its range experts, gated by t: all of them, or the cluster's expert is missing
-            checked = [_verified(root, part) for part in entry["ranges"]]
-            missing = next((f"{part['name']} {why}" for part, (found, why) in zip(entry["ranges"], checked,
-                                                                                strict=True) if not found), "")
+    for entry in manifest.experts:
+        if entry.ranges is not None:  # its range experts, gated by t: all of them, or the cluster's expert is missing
+            checked = [_verified(root, part) for part in entry.ranges]
+            missing = next((f"{part.name} {why}" for part, (found, why) in zip(entry.ranges, checked,
+                                                                             strict=True) if not found), "")
             load = None if missing else functools.partial(_gated, root, entry, device)
         else:
             found, missing = _verified(root, entry)
             load = functools.partial(_expert, root, entry, device) if found else None
-        slots.append(ExpertSlot(entry["name"], load, missing))
+        slots.append(ExpertSlot(entry.name, load, missing))
     if not any(slot.available for slot in slots):
         raise CheckpointError(f"{root}: no expert of the ensemble is available")
     router = None  # ancestral routing asks no router: it is not even read
     if parse_routing(routing).needs_router:
-        found, router_missing = _verified(root, manifest["router"])
+        found, router_missing = _verified(root, manifest.router)
         if not found:
             warnings.warn(f"the router {router_missing}; routing by the cluster sizes alone", IslandsWarning,
                           stacklevel=2)
-        router = (LearnedRouter(_router_network(root, manifest["router"], device)) if found
-                  else PriorRouter(manifest["prior"]))
+        router = (LearnedRouter(_router_network(root, manifest.router, device)) if found
+                  else PriorRouter(manifest.prior))
     mixture = Mixture(slots, router, routing=routing, max_loaded=max_loaded, seed=seed,
-                      time_boundaries=manifest.get("t_ranges", [0, 1])[1:-1], call_batch=call_batch)
+                      time_boundaries=(manifest.t_ranges or [0, 1])[1:-1], call_batch=call_batch)
     return mixture, manifest
 
 
@@ -301,10 +218,12 @@ def distillation_teacher(cfg: Config, device) -> Mixture:
     return load_ensemble(Path(cfg.data.partition).parent, routing, seed=cfg.seed, device=device)[0]
 
 
-def condition_router_of(spec: dict, weights: dict, what: str) -> ConditionRouter:
+def condition_router_of(spec: ConditionRouterRecord | dict, weights: dict, what: str) -> ConditionRouter:
     """The condition router of `spec`'s sizes holding `weights`, its shapes compared before it is built: sizes from a
     manifest that its weights do not have are refused in one line, never allocated."""
-    width, clusters, hidden = spec["width"], spec["clusters"], spec["hidden"]
+    if isinstance(spec, dict):  # its sizes alone
+        spec = ConditionRouterRecord.model_validate({"weights": "", **spec})
+    width, clusters, hidden = spec.width, spec.clusters, spec.hidden
     wanted = {"net.0.weight": (hidden, width), "net.0.bias": (hidden,), "net.2.weight": (clusters, hidden),
               "net.2.bias": (clusters,)}
     if {name: tuple(value.shape) for name, value in weights.items()} != wanted:
@@ -315,16 +234,19 @@ def condition_router_of(spec: dict, weights: dict, what: str) -> ConditionRouter
     return router.eval()
 
 
-def load_condition_prior(root: Path, manifest: dict):
+def load_condition_prior(root: Path, manifest: EnsembleManifest | dict):
     """The ensemble's condition router as labels -> p(cluster | text) (its weights verified), or None without one."""
-    entry = manifest.get("condition_router")
+    if isinstance(manifest, dict):
+        manifest = EnsembleManifest.read(manifest, Path(root) / MANIFEST)
+    entry = manifest.condition_router
     if entry is None:
         return None
-    router = condition_router_of(entry, read_verified(Path(root), entry), f"{Path(root) / entry['weights']}")
-    return condition_prior(router, entry["width"])
+    router = condition_router_of(entry, read_verified(Path(root), entry), f"{Path(root) / entry.weights}")
+    return condition_prior(router, entry.width)
 
 
-def ancestral_clusters(manifest: dict, seed: int, first: int, num: int, labels: torch.Tensor | None = None,
+def ancestral_clusters(manifest: EnsembleManifest | Priors | dict, seed: int, first: int, num: int,
+                       labels: torch.Tensor | None = None,
                        available: torch.Tensor | None = None, condition_prior=None):
     """Sample i's cluster, drawn by its own stream (the same at any batch size) from the cluster sizes, or, for a
     class-conditional sample, from p(cluster | its class): a trouser must go to an expert that has seen trousers.
@@ -335,11 +257,12 @@ def ancestral_clusters(manifest: dict, seed: int, first: int, num: int, labels: 
     from islands.data import streams
 
     # the stream keeps the name of the policy's first release, so earlier samples are drawn again exactly
+    priors = Priors.of(manifest)
     u = streams.uniform(seed, list(range(first, first + num)), "oracle").double()
-    prior = torch.tensor(manifest["prior"], dtype=torch.float64).expand(num, -1)
+    prior = torch.tensor(priors.prior, dtype=torch.float64).expand(num, -1)
     # a class's own table; a prompt (a packed caption, not an index) its condition router's estimate
-    if labels is not None and labels.dim() == 1 and manifest.get("prior_by_class"):
-        table = torch.tensor(manifest["prior_by_class"] + [manifest["prior"]], dtype=torch.float64)
+    if labels is not None and labels.dim() == 1 and priors.prior_by_class:
+        table = torch.tensor(priors.prior_by_class + [priors.prior], dtype=torch.float64)
         prior = table[torch.as_tensor(labels, dtype=torch.long).cpu()]
     elif labels is not None and labels.dim() > 1 and condition_prior is not None:
         prior = condition_prior(labels)
@@ -351,7 +274,8 @@ def ancestral_clusters(manifest: dict, seed: int, first: int, num: int, labels: 
     return drawn.clamp(max=prior.shape[1] - 1)
 
 
-def ancestral_assignment(mixture: Mixture, manifest: dict, seed: int, drawn_by=None, condition_prior=None):
+def ancestral_assignment(mixture: Mixture, manifest: EnsembleManifest | Priors | dict, seed: int, drawn_by=None,
+                         condition_prior=None):
     """For `generate(for_batch=...)`: the mixture (or `drawn_by`, the same mixture spread over ranks) with every
     sample of the batch sent to its expert as ancestral routing draws it, around missing experts (None when the
     policy needs no assignment)."""

@@ -28,16 +28,9 @@ import yaml
 from islands.config import to_dict, validate
 from islands.data import build_data
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS
-from islands.ddm.ensemble import (
-    MANIFEST,
-    check_condition_router,
-    condition_router_of,
-    count,
-    member_network,
-    prior_of,
-    priors_by_class,
-)
+from islands.ddm.ensemble import MANIFEST, condition_router_of
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
+from islands.ddm.records import VERSION, EnsembleManifest, ExportedExpert, ExportedIndex, MemberRecord, count
 from islands.errors import CheckpointError, ConfigError, DataError, IslandsWarning
 from islands.generate import uninitialised_network
 from islands.nets import OWN_NETWORK_ARGUMENTS
@@ -84,8 +77,8 @@ class _Folder:
             self.index = json.loads(self.index_path.read_text())
         except (OSError, ValueError) as err:
             raise CheckpointError(f"{self.root / INDEX}: not an exported ensemble's index ({err})") from None
-        self.files = _checked_files(self.index, self.root / INDEX)
-        check_index(self.index, self.root / INDEX)
+        self.index = ExportedIndex.read(self.index, self.root / INDEX, allowed=ALLOWED)
+        self.files = self.index.files
 
     def path(self, name: str) -> Path:
         """A file the index lists, inside the folder (not hashed: for its header alone)."""
@@ -122,43 +115,6 @@ class _Folder:
             raise CheckpointError(f"{self.root / name}: not a valid safetensors file ({err})") from None
 
 
-def _checked_files(index, path: Path) -> dict:
-    """The index's files (name -> sha256), each a file of the open DDM layout."""
-    files = index.get("files") if isinstance(index, dict) else None
-    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-        raise CheckpointError(f"{path}: not an exported ensemble's index (no files with their sha256)")
-    refused = sorted(name for name in files if not ALLOWED.fullmatch(name))
-    if refused:
-        raise CheckpointError(f"{path}: {refused[0]} is not a file of the open DDM layout; refusing the folder")
-    return files
-
-
-def check_index(index: dict, path: Path) -> None:
-    """Every value of the index that the import uses, checked before it is used: one line naming the key."""
-    if "islands_config" not in index:
-        raise CheckpointError(f"{path}: has no islands_config, the ensemble's config")
-    if not isinstance(index["islands_config"], dict):
-        raise CheckpointError(f"{path}: islands_config: {index['islands_config']!r} is not a config (a mapping)")
-    shape = index.get("shape")
-    if not isinstance(shape, list) or not 1 <= len(shape) <= 4:
-        raise CheckpointError(f"{path}: shape: {shape!r} is not the shape of one example")
-    for n, side in enumerate(shape):
-        count(side, f"{path}: shape[{n}]", 1)
-    classes = count(index.get("num_classes"), f"{path}: num_classes")
-    experts = index.get("experts")
-    if not isinstance(experts, list) or not experts or not all(isinstance(e, dict) for e in experts):
-        raise CheckpointError(f"{path}: experts: not a list of the experts' entries")
-    for k, expert in enumerate(experts):
-        if not isinstance(expert.get("folder"), str) or not re.fullmatch(r"expert_\d+", expert["folder"]):
-            raise CheckpointError(f"{path}: experts[{k}].folder: {expert.get('folder')!r} is not expert_N")
-        count(expert.get("size"), f"{path}: experts[{k}].size")
-    prior_of(index.get("prior"), len(experts), f"{path}: prior")
-    if index.get("prior_by_class"):  # a row per class, and the last for no class
-        priors_by_class(index["prior_by_class"], classes + 1, len(experts), f"{path}: prior_by_class")
-    if "condition_router" in index:
-        check_condition_router(index["condition_router"], len(experts), f"{path}: condition_router")
-
-
 def without_code(config: dict, path: Path) -> dict:
     """The publisher's config less what would import code by name here (eval's torch feature network), with a
     warning: retraining an expert must not run a module that another island named."""
@@ -179,18 +135,18 @@ def _fits(folder: _Folder, build, names: list[str], what: str) -> None:
     check_fits(build, [folder.path(name) for name in names], what)
 
 
-def _expert_model(folder: _Folder, expert: dict, cfg) -> dict:
+def _expert_model(folder: _Folder, expert: ExportedExpert, cfg) -> dict:
     """The model section of an expert folder: a diffusers class and its constructor arguments, with the ensemble's
     condition; or Islands' own network's section as the index gives it, which must build what its config.json says."""
-    name = expert["folder"]
+    name = expert.folder
     config = folder.json(f"{name}/config.json")
     class_name = config.get("_class_name")
     if class_name in OWN_ARCH:
-        model = expert.get("islands_model")
+        model = expert.islands_model
         if not isinstance(model, dict) or model.get("arch") != OWN_ARCH[class_name]:
             raise CheckpointError(f"{folder.root / INDEX}: {name} is a {class_name} without its islands_model")
-        arguments = OWN_NETWORK_ARGUMENTS[model["arch"]](validate({"run_dir": ".", "model": model}).model,
-                                                         tuple(folder.index["shape"]), folder.index["num_classes"])
+        record = _member(model, folder.index)
+        arguments = OWN_NETWORK_ARGUMENTS[record.arch](record.config().model, tuple(record.shape), record.num_classes)
         arguments["text"] = None if arguments["text"] is None else vars(arguments["text"])
         given = {k: v for k, v in config.items() if not k.startswith("_") and k != "num_train_timesteps"}
         if json.loads(json.dumps(arguments)) != given:
@@ -228,6 +184,11 @@ def _write(weights: dict, path: Path) -> str:
     return file_sha256(path)
 
 
+def _member(model: dict, index: ExportedIndex, name: str = "a member") -> MemberRecord:
+    """A network of the index's examples that `model` describes, as a member's record."""
+    return MemberRecord(name=name, model=model, shape=index.shape, num_classes=index.num_classes)
+
+
 def _expert_entry(k: int, model: dict, shape: list, num_classes: int, path: str, prediction: str, size: int,
                   weights: str, sha256: str, **extra) -> dict:
     return {"name": f"expert{k}", "run": f"experts/{k}", "weights": weights, "sha256": sha256, "path": path,
@@ -237,50 +198,50 @@ def _expert_entry(k: int, model: dict, shape: list, num_classes: int, path: str,
 
 def _imported_experts(folder: _Folder, cfg, building: Path) -> list[dict]:
     index, entries = folder.index, []
-    for k, expert in enumerate(index["experts"]):
-        name = expert["folder"]  # expert_N (check_index)
+    for k, expert in enumerate(index.experts):
+        name = expert.folder  # expert_N (ExportedIndex)
         model = _expert_model(folder, expert, cfg)
-        model_cfg, shape = validate({"run_dir": ".", "model": model}).model, tuple(index["shape"])
+        model_cfg, shape = _member(model, index).config().model, tuple(index.shape)
         weights = [f"{name}/{file}" for file in ("diffusion_pytorch_model.safetensors", NULL_CAPTION)
                    if f"{name}/{file}" in folder.files]  # the null caption: the network's own "no caption"
-        _fits(folder, functools.partial(uninitialised_network, model_cfg, shape, index["num_classes"], "meta"),
+        _fits(folder, functools.partial(uninitialised_network, model_cfg, shape, index.num_classes, "meta"),
               weights, f"{folder.root / name}/config.json")
-        net = uninitialised_network(model_cfg, shape, index["num_classes"])
+        net = uninitialised_network(model_cfg, shape, index.num_classes)
         try:
             _load(net, folder, name)
         except (ValueError, RuntimeError) as err:
             reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise CheckpointError(f"{folder.root / name}: {reason}") from None
         weights = f"experts/{k}/ema.safetensors"
-        entries.append(_expert_entry(k, model, index["shape"], index["num_classes"], "rectified_flow", "velocity",
-                                     int(expert["size"]), weights, _write(net.state_dict(), building / weights),
+        entries.append(_expert_entry(k, model, index.shape, index.num_classes, "rectified_flow", "velocity",
+                                     int(expert.size), weights, _write(net.state_dict(), building / weights),
                                      images=0))
     return entries
 
 
 def _imported_router(folder: _Folder, cfg, building: Path) -> dict:
-    if "router" not in folder.index:
+    if folder.index.router is None:
         return {"name": "router", "run": "router", "why": "was not published with the ensemble"}
     config = folder.json("router/config.json")
-    if config.get("num_experts") != len(folder.index["experts"]):
+    if config.get("num_experts") != len(folder.index.experts):
         raise CheckpointError(f"{folder.root / 'router'}/config.json: num_experts: {config.get('num_experts')!r} but "
-                              f"the ensemble has {len(folder.index['experts'])} experts")
+                              f"the ensemble has {len(folder.index.experts)} experts")
     model = {"arch": "router", "num_classes": config["num_classes"], "outputs": config["num_experts"],
              "condition": cfg.model.condition, "text_tokens": cfg.model.text_tokens, "text_width": cfg.model.text_width,
              "text_pooled_width": cfg.model.text_pooled_width, **{k: config[v] for k, v in ROUTER_ARGUMENTS.items()}}
-    entry = {"name": "router", "run": "router", "model": model, "shape": folder.index["shape"],
-             "num_classes": config["num_classes"]}
-    model_cfg = validate({"run_dir": ".", "model": model}).model
-    _fits(folder, lambda: uninitialised_network(model_cfg, tuple(entry["shape"]), entry["num_classes"], "meta"),
+    entry = MemberRecord(name="router", run="router", model=model, shape=folder.index.shape,
+                         num_classes=config["num_classes"])
+    model_cfg = entry.config().model
+    _fits(folder, lambda: uninitialised_network(model_cfg, tuple(entry.shape), entry.num_classes, "meta"),
           ["router/diffusion_pytorch_model.safetensors"], f"{folder.root / 'router'}/config.json")
     weights = folder.weights("router/diffusion_pytorch_model.safetensors")
     try:
-        member_network(entry, weights, "cpu")  # strict: Islands' router under the same names
+        entry.network(weights, "cpu")  # strict: Islands' router under the same names
     except RuntimeError as err:
         raise CheckpointError(f"{folder.root / 'router'}: not the router its config.json describes "
                               f"({str(err).splitlines()[0]})") from None
     sha256 = _write(weights, building / "router" / "ema.safetensors")
-    return {**entry, "weights": "router/ema.safetensors", "sha256": sha256}
+    return {**entry.dump(), "weights": "router/ema.safetensors", "sha256": sha256}
 
 
 def _joined_expert(run: Path, k: int, shape: list, num_classes: int, building: Path) -> tuple[dict, list[int] | None]:
@@ -313,7 +274,7 @@ def import_ensemble(source: Path, out: Path, runs: list[Path] = ()) -> Path:
         raise ConfigError(f"{out}: already exists and is not an empty folder; import writes a new one")
     folder = _Folder(source)
     index = folder.index
-    config = {**without_code(index["islands_config"], source / INDEX), "run_dir": str(out)}
+    config = {**without_code(index.islands_config, source / INDEX), "run_dir": str(out)}
     try:
         cfg = validate(config)
     except (ValueError, ConfigError) as err:
@@ -327,17 +288,16 @@ def import_ensemble(source: Path, out: Path, runs: list[Path] = ()) -> Path:
         for name in (META_FILE, ARRAYS_FILE):
             (building / "partition" / name).write_bytes(folder.read(f"partition/{name}"))
         partition = folder.json(f"partition/{META_FILE}")
-        manifest = {"k": len(experts), "prior": index["prior"], "partition": partition.get("method"),
+        manifest = {"version": VERSION, "k": len(experts), "prior": index.prior, "partition": partition.get("method"),
                     "experts": experts, "router": router,
                     "imported_from": {"folder": str(source), "ddm_sha256": file_sha256(folder.index_path)}}
-        if index.get("prior_by_class"):
-            manifest["prior_by_class"] = index["prior_by_class"][:-1]
-        if index.get("text_encoder_sha256"):
-            manifest["text_encoder_sha256"] = index["text_encoder_sha256"]
-        if "condition_router" in index:
-            spec = index["condition_router"]
+        if index.prior_by_class:
+            manifest["prior_by_class"] = index.prior_by_class[:-1]
+        if index.text_encoder_sha256:
+            manifest["text_encoder_sha256"] = index.text_encoder_sha256
+        if index.condition_router is not None:
             weights = folder.weights(f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}")
-            sizes = {k: spec[k] for k in ("width", "clusters", "hidden")}
+            sizes = index.condition_router.sizes
             condition_router_of(sizes, weights, f"{folder.root / ROUTER_FOLDER}")  # the sizes its weights have
             path = building / ROUTER_FOLDER / ROUTER_WEIGHTS
             manifest["condition_router"] = {"name": "condition router", "weights": f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}",
@@ -347,7 +307,7 @@ def import_ensemble(source: Path, out: Path, runs: list[Path] = ()) -> Path:
             _join(manifest, partition, runs, building)
         config.setdefault("ddm", {})["k"] = manifest["k"]
         (building / "config.yaml").write_text(yaml.safe_dump(config))
-        atomic_write_text(building / MANIFEST, json.dumps(manifest, indent=1))
+        atomic_write_text(building / MANIFEST, EnsembleManifest.read(manifest, building / MANIFEST).dumps())
     except (ConfigError, DataError, CheckpointError):
         shutil.rmtree(building, ignore_errors=True)
         raise

@@ -48,14 +48,14 @@ def open_ensemble(root: Path, options: dict | None = None, routing: str = DEFAUL
     opts = sample_options(cfg, options, device)
     mixture, manifest = load_ensemble(root, routing, max_loaded, cfg.seed if seed is None else seed, device,
                                       call_batch=opts.batch_size)
-    shape = next(tuple(e["shape"]) for e in manifest["experts"] if "shape" in e)  # load_ensemble ensured one
+    shape = manifest.shape  # load_ensemble ensured one
     opts = opts.model_copy(update={"batch_size": mixture.samples_at_once(opts.batch_size)})
     assignment = functools.partial(ancestral_assignment, mixture, manifest,
                                    condition_prior=load_condition_prior(root, manifest))
     # on latents: the autoencoder every member trained on, as the manifest recorded it
-    space = open_data_space(cfg, root, device, sha256=manifest.get("autoencoder_sha256"))
+    space = open_data_space(cfg, root, device, sha256=manifest.autoencoder_sha256)
     return Sampler(mixture, cfg, shape, cfg.model.num_classes, opts, assignment, manifest, space,
-                   manifest.get("text_encoder_sha256"))
+                   manifest.text_encoder_sha256)
 
 
 def sample_to_folder(target: Path, out: Path, num: int, options: dict | None = None, prompts: list[str] = (),

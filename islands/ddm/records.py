@@ -1,0 +1,363 @@
+"""The ensemble's records on disk, typed: the manifest (`ensemble.json`), its member entries (experts, range experts,
+the router, the condition router) and the exported ensemble's index (`ddm.json`).
+
+Each is a pydantic model with a `version` (files written before it had one read as version 1), validated on read:
+an ensemble may have come from another island, so every value sampling or import uses is checked before anything
+uses it, and a bad one is refused in one line naming the file and the key (`CheckpointError`). A member's network
+is built from its record (`MemberRecord.network`).
+"""
+
+import json
+import math
+import re
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from islands.errors import CheckpointError
+
+VERSION = 1
+PRIOR_TOLERANCE = 1e-6  # a prior's shares, written as sizes / their sum, sum to 1 within rounding
+
+
+def _whole(value, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{value!r} is not a whole number of at least {least}")
+    return value
+
+
+def count(value, what: str, least: int = 0) -> int:
+    """A whole number of at least `least` (not a bool, a float or a string), or one line naming `what`."""
+    try:
+        return _whole(value, least)
+    except ValueError as err:
+        raise CheckpointError(f"{what}: {err}") from None
+
+
+def _shape(value):
+    if not isinstance(value, list) or not 1 <= len(value) <= 4:
+        raise ValueError(f"{value!r} is not the shape of one example")
+    return value
+
+
+Count = Annotated[int, BeforeValidator(lambda v: _whole(v, 0))]
+Positive = Annotated[int, BeforeValidator(lambda v: _whole(v, 1))]
+Shape = Annotated[list[Positive], BeforeValidator(_shape)]
+
+
+def _prior(value, k: int) -> list[float]:
+    """A distribution over k clusters: k finite, non-negative numbers summing to 1."""
+    if not isinstance(value, list) or len(value) != k:
+        raise ValueError(f"{value!r} is not a list of {k} shares, one per cluster")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+               for v in value):
+        raise ValueError(f"{value!r} holds a share that is not a finite number of at least 0")
+    if abs(sum(value) - 1) > PRIOR_TOLERANCE:
+        raise ValueError(f"{value!r} does not sum to 1 (its sum is {sum(value)})")
+    return value
+
+
+def _check_priors(record, k: int, classes: int) -> None:
+    """`record.prior` over k clusters and, if any, `record.prior_by_class`: at least `classes` rows of them; a
+    ValueError naming the key."""
+    try:
+        _prior(record.prior, k)
+    except ValueError as err:
+        raise ValueError(f"prior: {err}") from None
+    if record.prior_by_class:
+        if not isinstance(record.prior_by_class, list) or len(record.prior_by_class) < classes:
+            raise ValueError(f"prior_by_class: not a list of at least {classes} rows, one per class")
+        for c, row in enumerate(record.prior_by_class):
+            try:
+                _prior(row, k)
+            except ValueError as err:
+                raise ValueError(f"prior_by_class[{c}]: {err}") from None
+
+
+def _where(loc: tuple) -> str:
+    where = ""
+    for part in loc:
+        where += f"[{part}]" if isinstance(part, int) else (f".{part}" if where else str(part))
+    return where
+
+
+def _one_line(err: ValidationError, path) -> str:
+    first = err.errors()[0]
+    message = first["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ").splitlines()[0]
+    where = _where(first["loc"])
+    return f"{path}: {where}: {message}" if where else f"{path}: {message}"
+
+
+class Record(BaseModel):
+    """What every record shares: keys it does not name are kept (written back as they came), and it is written as
+    the JSON it was read from, less nothing and plus its version."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    @classmethod
+    def read(cls, data, path, **context):
+        """`data` (parsed JSON) as this record, or one line naming `path` and the key."""
+        try:
+            return cls.model_validate(data, context=context)
+        except ValidationError as err:
+            raise CheckpointError(_one_line(err, path)) from None
+
+    def dump(self) -> dict:
+        return self.model_dump(mode="json", exclude_unset=True, by_alias=True)
+
+    def dumps(self) -> str:
+        return json.dumps(self.dump(), indent=1)
+
+
+class MemberRecord(Record):
+    """One member of an ensemble: an expert, a range expert, a cluster's range experts (`ranges`, `t_ranges`), or the
+    router. Without `weights` it never finished (or was not published, `why`), and is skipped when sampling."""
+
+    name: str
+    run: str | None = None
+    weights: str | None = None
+    sha256: str | None = None
+    images: int | None = None
+    path: str | None = None
+    prediction: str | None = None
+    model: dict | None = None
+    shape: Shape | None = None
+    num_classes: Count | None = None
+    autoencoder_sha256: str | None = None
+    text_encoder_sha256: str | None = None
+    t_ranges: list[float] | None = None
+    ranges: list["MemberRecord"] | None = None
+    cluster: int | None = None
+    size: Count | None = None
+    why: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_entry(cls, data):
+        if not isinstance(data, dict):
+            raise ValueError(f"{data!r} is not a member's entry")
+        return data
+
+    @model_validator(mode="after")
+    def _buildable(self):
+        if self.trained:  # what its network is built from
+            if self.shape is None:
+                raise ValueError("shape: None is not the shape of one example")
+            if self.num_classes is None:
+                raise ValueError("num_classes: None is not a whole number of at least 0")
+        return self
+
+    @classmethod
+    def of(cls, entry) -> "MemberRecord":
+        """An entry as a record (a dict is validated)."""
+        return entry if isinstance(entry, cls) else cls.model_validate(entry)
+
+    @property
+    def trained(self) -> bool:
+        return self.weights is not None
+
+    @property
+    def arch(self) -> str | None:
+        return (self.model or {}).get("arch")
+
+    @property
+    def parts(self) -> list["MemberRecord"]:
+        """Its range experts, or itself."""
+        return self.ranges if self.ranges is not None else [self]
+
+    def path_options(self, keys) -> dict:
+        """The options of its path among `keys` (a manifest written before paths took options has none)."""
+        extra = self.model_extra or {}
+        return {key: extra[key] for key in keys if key in extra}
+
+    def config(self):
+        """The model section as a config (its flow, data and the rest at their defaults)."""
+        from islands.config import validate
+
+        return validate({"run_dir": ".", "model": self.model})
+
+    def network(self, weights: dict, device):
+        """The network this record describes, holding `weights`; built only as large as they are (an ensemble
+        folder copied from elsewhere may name any size), checked on the meta device first."""
+        from islands.generate import network_with_weights
+        from islands.nets import build_network
+        from islands.untrusted import check_fits
+
+        model_cfg = self.config().model
+        shape, classes = tuple(self.shape), self.num_classes
+        check_fits(lambda: build_network(model_cfg, shape, classes), sum(w.numel() for w in weights.values()),
+                   f"the model of {self.name}")
+        return network_with_weights(model_cfg, shape, classes, weights, device)
+
+
+class ConditionRouterRecord(Record):
+    """p(cluster | text): its weights and its sizes."""
+
+    name: str = "condition router"
+    weights: str
+    sha256: str | None = None
+    width: Positive
+    clusters: Positive
+    hidden: Positive
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_entry(cls, data):
+        if not isinstance(data, dict):
+            raise ValueError(f"{data!r} is not a condition router's entry")
+        return data
+
+    @property
+    def sizes(self) -> dict:
+        return {"width": self.width, "clusters": self.clusters, "hidden": self.hidden}
+
+    def check_clusters(self, k: int) -> None:
+        if self.clusters != k:
+            raise ValueError(f"condition_router.clusters: {self.clusters} but the ensemble has {k} clusters")
+
+
+class Priors(BaseModel):
+    """What ancestral routing draws from: the cluster sizes' shares, and per class (the last row: no class)."""
+
+    model_config = ConfigDict(extra="ignore", from_attributes=True)
+
+    prior: list[float]
+    prior_by_class: list[list[float]] | None = None
+
+    @classmethod
+    def of(cls, record) -> "Priors":
+        return cls.model_validate(record, from_attributes=not isinstance(record, dict))
+
+
+class EnsembleManifest(Record):
+    """`ensemble.json`: the experts (one per cluster), the router, the priors, and the sha256 of what every member
+    trained on."""
+
+    version: int = VERSION
+    k: Positive
+    prior: Any = None
+    partition: str | None = None
+    experts: list[MemberRecord]
+    router: MemberRecord
+    autoencoder_sha256: str | None = None
+    text_encoder_sha256: str | None = None
+    t_ranges: list[float] | None = None
+    condition_router: ConditionRouterRecord | None = None
+    prior_by_class: Any = None
+    imported_from: dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_manifest(cls, data):
+        if not isinstance(data, dict) or not isinstance(data.get("experts"), list) or not data["experts"]:
+            raise ValueError("not an ensemble manifest (no list of experts)")
+        return data
+
+    @model_validator(mode="after")
+    def _usable(self):
+        k = len(self.experts)
+        if self.k != k:
+            raise ValueError(f"k: {self.k} but {k} experts are listed")
+        classes = 0
+        if self.prior_by_class:
+            classes = next((e.num_classes for e in self.experts if e.num_classes is not None), None)
+            if classes is None:
+                raise ValueError("prior_by_class: no expert says how many classes there are")
+        _check_priors(self, k, classes)
+        if self.condition_router is not None:
+            self.condition_router.check_clusters(k)
+        return self
+
+    @property
+    def members(self) -> list[MemberRecord]:
+        """Every network: the experts (each range expert of a grid) and the router."""
+        return [part for e in self.experts for part in e.parts] + [self.router]
+
+    @property
+    def shape(self) -> tuple:
+        """The examples' shape (load_ensemble ensures a trained member)."""
+        return next(tuple(e.shape) for e in self.experts if e.shape is not None)
+
+
+class ExportedExpert(Record):
+    name: str | None = None
+    folder: str
+    class_name: str | None = None
+    cluster: int | None = None
+    size: Count
+    source_sha256: str | None = None
+    islands_model: Any = None
+
+    @field_validator("folder", mode="before")
+    @classmethod
+    def _expert_n(cls, value):
+        if not isinstance(value, str) or not re.fullmatch(r"expert_\d+", value):
+            raise ValueError(f"{value!r} is not expert_N")
+        return value
+
+
+def _experts(value):
+    if not isinstance(value, list) or not value or not all(isinstance(e, (dict, ExportedExpert)) for e in value):
+        raise ValueError("not a list of the experts' entries")
+    return value
+
+
+def _config(value):
+    if not isinstance(value, dict):
+        raise ValueError(f"{value!r} is not a config (a mapping)")
+    return value
+
+
+class ExportedIndex(Record):
+    """`ddm.json`: every file of an exported ensemble with its sha256, the priors, the sampling defaults and the
+    ensemble's config."""
+
+    class_name: str = Field("DDMPipeline", alias="_class_name")
+    islands_version: str | None = None
+    version: int = VERSION
+    k: int | None = None
+    islands_config: Annotated[dict, BeforeValidator(_config)]
+    shape: Shape
+    num_classes: Count
+    condition: str | None = None
+    experts: Annotated[list[ExportedExpert], BeforeValidator(_experts)]
+    prior: Any = None
+    prior_by_class: Any = None
+    text: dict | None = None
+    text_encoder_sha256: str | None = None
+    router: str | None = None
+    condition_router: ConditionRouterRecord | None = None
+    sample: dict | None = None
+    files: dict[str, str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_index(cls, data, info: ValidationInfo):
+        files = data.get("files") if isinstance(data, dict) else None
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise ValueError("not an exported ensemble's index (no files with their sha256)")
+        if (allowed := (info.context or {}).get("allowed")) is not None:  # the files of the open DDM layout
+            refused = sorted(name for name in files if not allowed.fullmatch(name))
+            if refused:
+                raise ValueError(f"{refused[0]} is not a file of the open DDM layout; refusing the folder")
+        if "islands_config" not in data:
+            raise ValueError("has no islands_config, the ensemble's config")
+        return data
+
+    @model_validator(mode="after")
+    def _usable(self):
+        # a row per class, and the last for no class
+        _check_priors(self, len(self.experts), self.num_classes + 1)
+        if self.condition_router is not None:
+            self.condition_router.check_clusters(len(self.experts))
+        return self
+
