@@ -129,12 +129,12 @@ def write_package(folder: Path, sources: dict[str, str]) -> None:
         f"from .diffusers_wrapper import IslandsDiT, IslandsUNet\n\n__all__ = ['IslandsDiT', 'IslandsUNet']\n")
 
 
-def own_model(cfg, info: dict, net, arch: str):
+def own_model(cfg, shape: tuple, num_classes: int, net, arch: str):
     """Islands' own network as its diffusers class (islands/nets/diffusers_wrapper.py), built from the arguments
     that built `net` and holding its weights, timesteps on the scale of the run's scheduler."""
     from islands.nets.diffusers_wrapper import EXPORTED_CLASS  # imports diffusers
 
-    arguments = OWN_NETWORK_ARGUMENTS[arch](cfg.model, tuple(info["shape"]), info["num_classes"])
+    arguments = OWN_NETWORK_ARGUMENTS[arch](cfg.model, tuple(shape), num_classes)
     text = arguments["text"]
     model = EXPORTED_CLASS[arch](**arguments | {"text": None if text is None else vars(text)},
                                  num_train_timesteps=cfg.flow.train_steps if cfg.flow.path == "vp_discrete" else 1000)
@@ -164,7 +164,7 @@ def export_run(run_dir: Path, out: Path) -> Path:
         raise CheckpointError(f"{run_dir} wrote a new checkpoint while it was read; export again")
     net = denoiser.net
     if own:
-        model, library = own_model(cfg, info, net, arch), PACKAGE
+        model, library = own_model(cfg, info.shape, info.num_classes, net, arch), PACKAGE
     else:
         model, library = net.to_diffusers(), "diffusers"
     class_name = type(model).__name__

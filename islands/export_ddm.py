@@ -93,7 +93,7 @@ def export_ensemble(root: Path, out: Path) -> Path:
         if arch == "diffusers":
             model = net.to_diffusers()
         else:  # Islands' own network, as the diffusers class whose code ships in islands_networks/
-            model = own_model(entry.config(), entry.dump(), net, arch)
+            model = own_model(entry.config(), entry.shape, entry.num_classes, net, arch)
         model.save_pretrained(building / folder, safe_serialization=True)
         if arch == "diffusers" and net.text is not None:  # its learned "no caption", not among the class's weights
             save_file(null_caption(net), building / folder / NULL_CAPTION)

@@ -47,7 +47,7 @@ def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser,
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint yet")
     weights = checkpoint_weights(ckpt, use_ema)
-    net = network_with_weights(cfg.model, tuple(info["shape"]), info["num_classes"], weights)
+    net = network_with_weights(cfg.model, info.shape, info.num_classes, weights)
     path = build_path(cfg.flow.path, **cfg.flow.path_options())
     return NetworkDenoiser(net, path, cfg.flow.prediction), cfg, info
 
@@ -147,7 +147,7 @@ def open_run(run_dir: Path, options: dict | None = None, use_ema: bool = True,
     latent run's samples decoded by its autoencoder on `device`, once its weights are checked against the run's
     record."""
     denoiser, cfg, info = load_denoiser(Path(run_dir), use_ema)
-    return Sampler(denoiser, cfg, tuple(info["shape"]), info["num_classes"], sample_options(cfg, options, device),
+    return Sampler(denoiser, cfg, info.shape, info.num_classes, sample_options(cfg, options, device),
                    space=open_data_space(cfg, Path(run_dir), device),
                    text_encoder_sha256=recorded_text_encoder(Path(run_dir)))
 

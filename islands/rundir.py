@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
@@ -134,27 +135,62 @@ def checkpoint_files(ckpt: Path) -> dict:
             for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name not in ("state.json", MARKER)}
 
 
-def read_state(ckpt: Path) -> dict:
+# --- the records Islands writes into a run and reads back: typed, versioned, validated on read ----------------------
+
+class Record(BaseModel):
+    """A JSON file Islands writes and reads back. `version` says which layout wrote it (files without one are 1)."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = 1
+
+    @classmethod
+    def read(cls, path: Path, why: str = ""):
+        """The record in `path`, or one line naming the file and the key that is wrong (`why` adds what it means)."""
+        try:
+            return cls.model_validate_json(Path(path).read_bytes())
+        except OSError as err:
+            raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
+        except ValidationError as err:
+            first = err.errors()[0]
+            key = ".".join(str(part) for part in first["loc"]) or "its content"
+            raise CheckpointError(f"{path}: {key}: {first['msg']}{why}") from None
+
+    def write(self, path: Path) -> Path:
+        return atomic_write_text(path, self.model_dump_json(indent=1))
+
+
+class RunDescription(Record):
+    """RUN/model.json: what the run's network was built for."""
+
+    shape: tuple[int, ...]
+    num_classes: int = Field(ge=0)
+
+
+class FileRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern="^[0-9a-f]{64}$")
+
+
+class CheckpointState(Record):
+    """CHECKPOINT/state.json: the run's counters, and the size and sha256 of each of the checkpoint's files, which
+    every read of them checks."""
+
+    progress: dict[str, int]
+    files: dict[str, FileRecord]
+
+
+def read_state(ckpt: Path) -> CheckpointState:
     """The checkpoint's state.json, its record of files checked for shape (a state written by hand is refused)."""
-    path = Path(ckpt) / "state.json"
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise CheckpointError(f"cannot read {path}: {err}") from None
-    files = state.get("files") if isinstance(state, dict) else None
-    if not isinstance(files, dict) or not all(
-            isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)
-            for entry in files.values()):
-        raise CheckpointError(f"{path} records no sha256 of the checkpoint's files (written by hand, or by an Islands "
-                              "before 0.1 hashed its checkpoints); it cannot be trusted")
-    return state
+    return CheckpointState.read(Path(ckpt) / "state.json", " (a state written by hand, or by an Islands before 0.1 "
+                                                           "hashed its checkpoints, cannot be trusted)")
 
 
-def verified(ckpt: Path, name: str, state: dict | None = None) -> Path:
+def verified(ckpt: Path, name: str, state: CheckpointState | None = None) -> Path:
     """ckpt/name, checked against the size and sha256 its state.json recorded: a file cut short (a crash, a copy
     that did not finish) is a CheckpointError, one of the right size with other bytes a TamperedCheckpoint."""
     ckpt = Path(ckpt)
-    entry = (state or read_state(ckpt))["files"].get(name)
+    entry = (state or read_state(ckpt)).files.get(name)
     path = inside(ckpt, name, "checkpoint")
     if entry is None:
         raise CheckpointError(f"{path}: not among the files {ckpt / 'state.json'} records")
@@ -162,18 +198,18 @@ def verified(ckpt: Path, name: str, state: dict | None = None) -> Path:
         size = path.stat().st_size
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read: {err.strerror or err}") from None
-    if size != entry["bytes"]:
-        raise CheckpointError(f"{path}: {size} bytes, the checkpoint recorded {entry['bytes']} (cut short?)")
-    if file_sha256(path) != entry["sha256"]:
+    if size != entry.bytes:
+        raise CheckpointError(f"{path}: {size} bytes, the checkpoint recorded {entry.bytes} (cut short?)")
+    if file_sha256(path) != entry.sha256:
         raise TamperedCheckpoint(f"{path}: its sha256 is not the one {ckpt / 'state.json'} recorded: the file was "
                                  "changed after it was written")
     return path
 
 
-def verify_checkpoint(ckpt: Path) -> dict:
+def verify_checkpoint(ckpt: Path) -> CheckpointState:
     """Every file state.json records, checked as `verified` checks one; returns the state."""
     state = read_state(ckpt)
-    for name in state["files"]:
+    for name in state.files:
         verified(ckpt, name, state)
     return state
 
@@ -234,17 +270,17 @@ def trained_below(folder: Path) -> bool:
 
 
 def write_model_description(run_dir: Path, shape: tuple, num_classes: int) -> None:
-    atomic_write_text(Path(run_dir) / MODEL, json.dumps({"shape": list(shape), "num_classes": num_classes}))
+    RunDescription(shape=tuple(shape), num_classes=num_classes).write(Path(run_dir) / MODEL)
 
 
-def describe_run(run_dir: Path) -> tuple[Config, dict]:
+def describe_run(run_dir: Path) -> tuple[Config, RunDescription]:
     """The run's resolved config and what its network was built for (shape, num_classes)."""
     run_dir = Path(run_dir)
     for name in (CONFIG, MODEL):
         if not (run_dir / name).is_file():
             raise CheckpointError(f"{run_dir} is not a run directory: {name} is missing")
     cfg = validate(yaml.safe_load((run_dir / CONFIG).read_text()))
-    return cfg, json.loads((run_dir / MODEL).read_text())
+    return cfg, RunDescription.read(run_dir / MODEL)
 
 
 def is_run_dir(path: Path) -> bool:

@@ -66,7 +66,7 @@ def test_sharded_state_round_trips_and_a_pickle_in_its_metadata_is_refused_witho
     global MARK
     held = {"model": {"w": torch.randn(3, 4)},
             "optim": {"w": {"step": torch.tensor(7.0), "exp_avg": torch.randn(3, 4)}}}
-    ckpt = write_checkpoint(tmp_path, 10, held, {}, {}, {}, keep=1)
+    ckpt = write_checkpoint(tmp_path, 10, held, {}, {}, {"progress": {}}, keep=1)
     back = {"model": {"w": torch.zeros(3, 4)},
             "optim": {"w": {"step": torch.tensor(0.0), "exp_avg": torch.zeros(3, 4)}}}
     read_sharded(ckpt, back)

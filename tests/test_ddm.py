@@ -526,7 +526,7 @@ def test_an_expert_half_trained_by_islands_ddm_resumes_from_its_emitted_script(r
                           cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     expert = moved / "experts" / "0"
-    assert read_state(latest_checkpoint(expert))["progress"]["images"] == 512
+    assert read_state(latest_checkpoint(expert)).progress["images"] == 512
     logged = [json.loads(line)["images"] for line in (expert / "metrics.jsonl").read_text().splitlines()]
     assert logged == [128, 256, 384, 512]  # resumed at 256, not begun again
     assert yaml.safe_load((expert / "config.yaml").read_text())["data"]["partition"] == f"{moved}/partition"

@@ -227,7 +227,7 @@ def test_a_rectified_flow_dit_samples_in_plain_diffusers_as_islands_samples_it(t
                  "--guidance", "1", "--out", str(tmp_path / "drawn"), "--quiet"]) == 0
     islands = np.load(tmp_path / "drawn" / "samples.npz")
     cfg, info = describe_run(run)
-    noise = streams.normal(cfg.seed, list(range(num)), tuple(info["shape"]), "sample")  # as islands/generate.py
+    noise = streams.normal(cfg.seed, list(range(num)), info.shape, "sample")  # as islands/generate.py
     np.save(tmp_path / "noise.npy", noise.numpy())
     np.save(tmp_path / "labels.npy", islands["y"])
     run_without_islands(FLOW_MATCH_LOOP, tmp_path / "out", tmp_path, steps)
@@ -317,7 +317,7 @@ def prompts_sample_alike(run: Path, work: Path, loop: str) -> None:
                  "--quiet"]) == 0
     islands = np.load(work / "drawn" / "samples.npz")["x"]
     cfg, info = describe_run(run)
-    noise = streams.normal(cfg.seed, list(range(num)), tuple(info["shape"]), "sample")  # as islands/generate.py
+    noise = streams.normal(cfg.seed, list(range(num)), info.shape, "sample")  # as islands/generate.py
     np.save(work / "noise.npy", noise.numpy())
     (work / "prompts.json").write_text(json.dumps(prompts))
     run_without_islands(loop, work / "out", work, steps, guidance, minilm_folder())
@@ -382,7 +382,7 @@ def test_islands_own_network_samples_in_plain_diffusers_under_guidance_as_island
                  "--guidance", str(guidance), "--out", str(tmp_path / "drawn"), "--quiet"]) == 0
     islands = np.load(tmp_path / "drawn" / "samples.npz")
     cfg, info = describe_run(run)
-    noise = streams.normal(cfg.seed, list(range(num)), tuple(info["shape"]), "sample")  # as islands/generate.py
+    noise = streams.normal(cfg.seed, list(range(num)), info.shape, "sample")  # as islands/generate.py
     np.save(tmp_path / "noise.npy", noise.numpy())
     np.save(tmp_path / "labels.npy", islands["y"])
     run_without_islands(OWN_LOOP, tmp_path / "out", tmp_path, steps, guidance)
@@ -447,7 +447,7 @@ def test_an_islands_network_of_a_ddpm_run_reads_the_schedulers_steps():
     with torch.no_grad():  # away from the zero start, so that the time it is given shows
         for p in net.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=made))
-    model = own_model(cfg, {"shape": [1, 8, 8], "num_classes": 4}, net, "dit")
+    model = own_model(cfg, (1, 8, 8), 4, net, "dit")
     assert scheduler_for(cfg).config.num_train_timesteps == model.config.num_train_timesteps == 500
     x, steps, labels = torch.randn(3, 1, 8, 8, generator=made), torch.tensor([0, 250, 499]), torch.tensor([0, 1, 4])
     with torch.no_grad():

@@ -50,7 +50,7 @@ def test_a_latent_run_resumes_bit_identically_and_samples_decoded_images(tmp_pat
         assert all(torch.equal(a[k], b[k]) for k in a), name
     # the network learnt latents: it takes 2x4x4, and the grid shows 1x8x8 images (8 samples, 3 columns of 8x scale)
     denoiser, cfg, info = load_denoiser(straight)
-    assert info["shape"] == [2, 4, 4]
+    assert info.shape == (2, 4, 4)
     grid = Image.open(sorted((straight / "samples").glob("*.png"))[-1])
     assert grid.size == (3 * (8 + 2) * 8 + 2 * 8, 3 * (8 + 2) * 8 + 2 * 8)
     # the trainer's evaluation: the loss on the probe's latents, the FD on decoded samples against the images

@@ -86,7 +86,7 @@ def test_islands_sample_shifts_its_grid_as_the_run_trained(tmp_path, image_npz):
     assert main(["sample", str(run), "--num", "4", "--out", str(tmp_path / "out"), "--quiet"]) == 0
     written = torch.from_numpy(np.load(tmp_path / "out" / "samples.npz")["x"])
     denoiser, cfg, info = load_denoiser(run)
-    noise = streams.normal(cfg.seed, list(range(4)), tuple(info["shape"]), "sample")
+    noise = streams.normal(cfg.seed, list(range(4)), info.shape, "sample")
     labels = torch.arange(4) % 4
 
     def drawn(shift):

@@ -214,7 +214,7 @@ def test_a_two_rank_fsdp_run_resumes_on_one_process_bit_identically(tmp_path, ex
     torch.set_num_threads(1)
     train(validate(cfg), progress=False)
     assert exported(cfg["run_dir"]) == exported(exact_reference)
-    assert read_state(latest_checkpoint(cfg["run_dir"]))["progress"]["step"] == 20
+    assert read_state(latest_checkpoint(cfg["run_dir"])).progress["step"] == 20
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp", "pipeline"])
@@ -237,7 +237,7 @@ def test_a_two_rank_checkpoint_of_every_strategy_resumes_on_one_process_bit_iden
     torch.set_num_threads(1)
     train(validate(cfg), progress=False)
     assert exported(moved) == exported(exact_reference)
-    assert read_state(latest_checkpoint(moved))["progress"]["step"] == 20
+    assert read_state(latest_checkpoint(moved)).progress["step"] == 20
 
 
 def test_an_fsdp_checkpoint_resumes_under_ddp_bit_identically(tmp_path, two_rank_run, exact_reference):

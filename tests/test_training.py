@@ -55,7 +55,7 @@ def test_the_defaults_learn_the_weights_of_16_narrow_unequal_modes(tmp_path):
 def _weights(run_dir):
     ckpt = latest_checkpoint(run_dir)
     return (load_weights(ckpt / "model.safetensors"), load_weights(ckpt / "ema.safetensors"),
-            read_state(ckpt)["progress"])  # not its files: DCP writes a fresh id into each
+            read_state(ckpt).progress)  # not its files: DCP writes a fresh id into each
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -159,7 +159,7 @@ def test_one_skipped_step_is_counted_and_training_goes_on(tmp_path, image_npz, m
 
     monkeypatch.setattr(objectives.DiffusionObjective, "loss_of", staticmethod(one_bad_step))
     run_dir = train(tiny_unet(tmp_path / "skip", image_npz), progress=False)
-    state = read_state(latest_checkpoint(run_dir))["progress"]
+    state = read_state(latest_checkpoint(run_dir)).progress
     assert state["skipped"] == 1 and state["images"] == 96
     assert read_metrics(run_dir)[-1]["skipped"] == 1
 

@@ -45,7 +45,7 @@ def _entry(root: Path, run: Path, name: str) -> dict:
     cfg, info = describe_run(run)
     entry.update(weights=str(weights.relative_to(root)), sha256=file_sha256(weights), images=int(ckpt.name),
                  path=cfg.flow.path, **cfg.flow.path_options(), prediction=cfg.flow.prediction,
-                 model=to_dict(cfg)["model"], **info)
+                 model=to_dict(cfg)["model"], shape=list(info.shape), num_classes=info.num_classes)
     if (autoencoder := recorded_sha256(run)) is not None:  # it learnt the latents of these weights
         entry["autoencoder_sha256"] = autoencoder
     if (text_encoder := recorded_text_encoder(run)) is not None:  # it read captions these weights encoded

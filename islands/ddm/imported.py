@@ -250,8 +250,8 @@ def _joined_expert(run: Path, k: int, shape: list, num_classes: int, building: P
     ckpt = latest_checkpoint(run)
     if ckpt is None:
         raise CheckpointError(f"--expert: {run} has no complete checkpoint yet")
-    if list(info["shape"]) != list(shape) or info["num_classes"] != num_classes:
-        raise ConfigError(f"--expert: {run} learnt examples of shape {info['shape']} with {info['num_classes']} "
+    if list(info.shape) != list(shape) or info.num_classes != num_classes:
+        raise ConfigError(f"--expert: {run} learnt examples of shape {list(info.shape)} with {info.num_classes} "
                           f"classes; the ensemble's are {shape} with {num_classes}")
     source = build_data(cfg.data, cfg.seed)
     counts = None
@@ -260,7 +260,7 @@ def _joined_expert(run: Path, k: int, shape: list, num_classes: int, building: P
         for lo in range(0, len(source), 4096):
             counts += np.bincount(source.get(np.arange(lo, min(len(source), lo + 4096)))[1], minlength=num_classes)
     weights = f"experts/{k}/ema.safetensors"
-    entry = _expert_entry(k, to_dict(cfg)["model"], info["shape"], num_classes, cfg.flow.path, cfg.flow.prediction,
+    entry = _expert_entry(k, to_dict(cfg)["model"], list(info.shape), num_classes, cfg.flow.path, cfg.flow.prediction,
                           len(source), weights, _write(load_weights(weights_file(ckpt)), building / weights),
                           images=int(ckpt.name), **cfg.flow.path_options(), joined_from=str(run))
     return entry, None if counts is None else counts.tolist()

@@ -163,7 +163,7 @@ def _save_ensemble_config(cfg: Config) -> None:
 
 def _finished(run: Path, images: int) -> bool:
     ckpt = latest_checkpoint(run)
-    return ckpt is not None and read_state(ckpt)["progress"]["images"] >= images
+    return ckpt is not None and read_state(ckpt).progress["images"] >= images
 
 
 def ensemble_training_flops(cfg: Config) -> float:
@@ -178,7 +178,7 @@ def monolith_images(cfg: Config) -> int:
     train.images; the router buys the monolith a few percent more."""
     mono = monolith_config(cfg)
     info = describe_run(expert_runs(cfg, 0)[0])[1]
-    shape, num_classes = tuple(info["shape"]), info["num_classes"]
+    shape, num_classes = info.shape, info.num_classes
     micro = mono.train.batch_size // mono.train.accumulate
     # a latent monolith encodes its images as the experts did
     encoder = json.loads((expert_runs(cfg, 0)[0] / "flops.json").read_text()).get("encoder_flops_per_image", 0.0)

@@ -29,7 +29,7 @@ def open_sampler(path: Path, options: dict | None = None, use_ema: bool = True, 
         raise ConfigError(f"{option}: {path} is not an ensemble directory (no {MANIFEST})")
     if (path / "tstages").is_dir():
         gate, cfg, info = load_time_gate(path, use_ema)
-        return Sampler(gate, cfg, tuple(info["shape"]), info["num_classes"], sample_options(cfg, options, device),
+        return Sampler(gate, cfg, info.shape, info.num_classes, sample_options(cfg, options, device),
                        space=open_data_space(cfg, Path(cfg.run_dir), device),  # the ranges trained on one autoencoder
                        text_encoder_sha256=recorded_text_encoder(Path(cfg.run_dir)))
     return open_run(path, options, use_ema, device)

@@ -4,7 +4,6 @@ Every rank writes its shards (torch.distributed.checkpoint) into a temporary fol
 whole weights, the trainer's state and the counters, marks complete and renames into place only when whole.
 """
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -13,7 +12,15 @@ import torch
 
 from islands.errors import CheckpointError, TrainingStopped
 from islands.parallel.distributed_checkpoint import UnsafeCheckpoint, load_sharded, save_sharded
-from islands.rundir import MARKER, checkpoint_dir, checkpoint_files, latest_checkpoint, list_checkpoints, save_weights
+from islands.rundir import (
+    MARKER,
+    CheckpointState,
+    checkpoint_dir,
+    checkpoint_files,
+    latest_checkpoint,
+    list_checkpoints,
+    save_weights,
+)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -44,8 +51,7 @@ def write_checkpoint(run_dir: Path, images: int, sharded: dict, exports: dict, t
             save_weights(weights, tmp / name)
         torch.save(trainer, tmp / "trainer.pt")
         # every file's size and sha256 (the shards of all ranks included), which every read of it checks
-        state = {**state, "files": checkpoint_files(tmp)}
-        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        CheckpointState(**state, files=checkpoint_files(tmp)).write(tmp / "state.json")
         (tmp / MARKER).write_text("")
         for f in tmp.iterdir():
             if f.is_file():

@@ -121,7 +121,7 @@ class Parts:
 
         def read_small():  # every rank reads them, and must know before the collective read whether all could
             state = verify_checkpoint(ckpt) if self.main else None  # every file's bytes, once
-            small.update(trainer=read_trainer(ckpt), progress=Progress(**(state or read_state(ckpt))["progress"]))
+            small.update(trainer=read_trainer(ckpt), progress=Progress(**(state or read_state(ckpt)).progress))
 
         held = self.held_state()
         why = agreed(self.world, read_small)
