@@ -127,12 +127,24 @@ def weights_file(ckpt: Path, use_ema: bool = True) -> Path:
     return ema if use_ema and ema.exists() else Path(ckpt) / "model.safetensors"
 
 
-def checkpoint_files(ckpt: Path) -> dict:
+def checkpoint_files(ckpt: Path, recorded: dict | None = None) -> dict:
     """{name: {"bytes", "sha256"}} of every file of a checkpoint folder being written (its shards included), for its
-    state.json: what every later read of the checkpoint checks."""
-    ckpt = Path(ckpt)
-    return {str(p.relative_to(ckpt)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-            for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name not in ("state.json", MARKER)}
+    state.json: what every later read of the checkpoint checks. `recorded`: files already hashed by the ranks that
+    wrote them (each rank its own shards, which another node's rank 0 may not even see), taken as they are."""
+    ckpt, recorded = Path(ckpt), dict(recorded or {})
+    found = {str(p.relative_to(ckpt)): p for p in sorted(ckpt.rglob("*"))
+             if p.is_file() and p.name not in ("state.json", MARKER)}
+    return dict(sorted({**{name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+                              for name, p in found.items() if name not in recorded}, **recorded}.items()))
+
+
+SHARDED = "sharded"  # the folder of a checkpoint's DCP files
+
+
+def is_shard(name: str) -> bool:
+    """Whether a checkpoint file (by its name in the checkpoint) is a rank's DCP shard, which only the ranks whose
+    slices it holds read (and check); `.metadata` is read by every rank."""
+    return name.startswith(f"{SHARDED}/") and name != f"{SHARDED}/.metadata"
 
 
 # --- the records Islands writes into a run and reads back: typed, versioned, validated on read ----------------------

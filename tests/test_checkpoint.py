@@ -229,3 +229,74 @@ def test_a_shard_named_outside_the_checkpoint_is_not_read(tmp_path, capsys):
     assert main(["train", config, "train.images=128", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "leads out of the folder" in err, err
+
+
+_WRITE_ON_TWO_NODES = """
+import sys, torch
+from islands.parallel.launch import close_world, init_world
+from islands.train.checkpoint import write_checkpoint
+world = init_world(60)
+torch.manual_seed(world.rank)
+write_checkpoint(f"{sys.argv[1]}/node{world.rank}", 10, {f"rank{world.rank}": torch.randn(1000)}, {},
+                 {"rng": torch.get_rng_state()}, {"progress": {"images": 10}}, keep=1, main=world.is_main,
+                 barrier=world.barrier)
+close_world()
+"""
+
+
+def test_each_rank_hashes_its_own_shards_and_rank_0_records_all_of_them_without_a_shared_filesystem(tmp_path):
+    """Issue 39.3: rank 0 hashed every shard by reading it, so a shard on another node's disk went unrecorded. Each
+    rank (here each with a run directory of its own, as two machines without a shared filesystem have) hashes what
+    it wrote, and rank 0's state.json records both ranks' shards with the bytes each rank holds."""
+    import sys
+
+    from islands.parallel.launch import run_local_ranks
+
+    done = run_local_ranks([sys.executable, "-c", _WRITE_ON_TWO_NODES, str(tmp_path)], 2, 120)
+    assert all(d.returncode == 0 for d in done), [d.stderr[-2000:] for d in done]
+    ckpt = latest_checkpoint(tmp_path / "node0")
+    files = json.loads((ckpt / "state.json").read_text())["files"]
+    other = next((tmp_path / "node1" / "checkpoints").glob("*/sharded/__1_0.distcp"))  # never on node 0's disk
+    assert not (ckpt / "sharded" / "__1_0.distcp").exists()
+    assert files["sharded/__1_0.distcp"] == {"bytes": other.stat().st_size, "sha256": file_sha256(other)}
+    own = ckpt / "sharded" / "__0_0.distcp"
+    assert files["sharded/__0_0.distcp"] == {"bytes": own.stat().st_size, "sha256": file_sha256(own)}
+    assert {"sharded/.metadata", "trainer.pt"} <= files.keys()
+
+
+def test_a_shard_changed_or_cut_short_is_caught_by_the_rank_that_reads_it(tmp_path):
+    """Issue 39.3, on two ranks under FSDP, each of which reads its own shard file: rank 1's shard with one byte
+    changed stops the resume on both ranks with one line naming the file (TamperedCheckpoint), --fall-back resumes
+    from the checkpoint before with one warning naming it; the same shard cut short is passed over without asking,
+    with one warning naming it, as a truncated copy of any other file is."""
+    from conftest import run_ranks
+
+    config, first = a_run_with_one_checkpoint(tmp_path)  # one process: a resume reshards it onto two ranks
+    fsdp = ("parallel.strategy=fsdp", "train.keep_checkpoints=3", "--quiet")
+
+    def train(images: int, *more: str) -> list:
+        return run_ranks(["train", config, f"train.images={images}", *fsdp, *more])
+
+    assert all(r.returncode == 0 for r in train(128))
+    latest = latest_checkpoint(tmp_path / "run")
+    assert latest != first and (latest / "sharded" / "__1_0.distcp").exists()
+    flip_byte_in_place(latest / "sharded" / "__1_0.distcp", offset=-3)
+    done = train(192)
+    assert [r.returncode for r in done] == [2, 2], [r.stderr[-2000:] for r in done]
+    said = done[0].stderr
+    assert said.count("\n") == 1 and "__1_0.distcp: its sha256 is not the one" in said and "--fall-back" in said, said
+    assert list_checkpoints(tmp_path / "run") == [first, latest]
+
+    done = train(192, "--fall-back")
+    assert [r.returncode for r in done] == [0, 0], [r.stderr[-2000:] for r in done]
+    said = done[0].stderr
+    assert said.count("islands: warning:") == 1 and "__1_0.distcp" in said and f"resumed from {first}" in said, said
+
+    latest = latest_checkpoint(tmp_path / "run")
+    shard = latest / "sharded" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])  # a copy that did not finish
+    done = train(256)
+    assert [r.returncode for r in done] == [0, 0], [r.stderr[-2000:] for r in done]
+    said = done[0].stderr
+    assert said.count("islands: warning:") == 1 and "__1_0.distcp" in said and "cut short" in said, said
+    assert int(latest_checkpoint(tmp_path / "run").name) == 256

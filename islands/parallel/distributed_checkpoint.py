@@ -7,23 +7,29 @@ so a run saved by N ranks resumes on M. Without a process group DCP runs as one 
 Only tensors go in: DCP stores other objects as pickles and loads them with weights_only=False.
 Its `.metadata` file is itself a pickle, so it is read here with an unpickler that builds only DCP's
 own metadata classes and torch's dtypes; anything else in it is refused.
+
+Each rank hashes the shard files it wrote itself (nodes need not share a filesystem for it) and the records of all
+ranks are gathered to every rank, for the checkpoint's manifest; a load hands every shard file it is about to read
+to a check (the manifest's), once per file, before DCP reads a byte of it.
 """
 
 import contextlib
 import io
 import pickle
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from islands.errors import DataError
-from islands.untrusted import inside
+from islands.errors import CheckpointError, DataError
+from islands.untrusted import file_sha256, inside
 
 # Exactly what DCP's Metadata pickles hold (listed from the checkpoints the test suite writes under every strategy);
 # names, not module prefixes: a protocol-4 pickle resolves a dotted name through a module's own imports, so
@@ -52,6 +58,19 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _SafeReader(FileSystemReader):
+    def __init__(self, path: str, check: Callable[[str], None] | None = None):
+        super().__init__(path)
+        self.check, self.checked = check, set()
+
+    def read_data(self, plan, planner):
+        """Every file this rank's plan reads, checked (`check`, by its name in the folder) before any is read."""
+        if self.check is not None:
+            for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+                if name not in self.checked:
+                    self.check(name)
+                    self.checked.add(name)
+        return super().read_data(plan, planner)
+
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = Path(self.path) / ".metadata"
         try:
@@ -93,31 +112,55 @@ def _single_process_is_intended():
         yield
 
 
-def save_sharded(state: dict, path: Path, group=None) -> None:
+class _RecordingWriter(FileSystemWriter):
+    """DCP's writer, remembering the names of the files this rank wrote."""
+
+    written: tuple[str, ...] = ()
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)  # written by the time it returns; the future is already set
+        self.written = tuple(sorted({result.storage_data.relative_path for result in future.wait()}))
+        return future
+
+
+def save_sharded(state: dict, path: Path, group=None) -> dict[str, dict]:
     """Collective under a process group (`group`; None: the whole job's): every rank calls it with its own part of
-    `state`. A rank's failed write (a full disk, say) comes back as that rank's OSError on every rank, not as DCP's
-    wrapper of it, which is not even an Exception."""
+    `state`. -> {file name in `path`: {"bytes", "sha256"}} of the shard files of every rank, each hashed by the rank
+    that wrote it and gathered to all (`.metadata`, the coordinator's, is not among them). A rank's failed write (a
+    full disk, say) comes back as that rank's OSError on every rank, not as DCP's wrapper of it, which is not even an
+    Exception."""
+    writer = _RecordingWriter(str(path))
     try:
         with _single_process_is_intended():
-            dcp.save(state, checkpoint_id=str(path), process_group=group)
+            dcp.save(state, storage_writer=writer, process_group=group)
     except CheckpointException as err:
         failed = next((e for e, _ in err.failures.values() if isinstance(e, OSError)), None)
         if failed is None:
             raise
         raise failed from None
+    own = {name: {"bytes": (Path(path) / name).stat().st_size, "sha256": file_sha256(Path(path) / name)}
+           for name in writer.written}
+    if not dist.is_initialized():
+        return own
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, own, group=group)  # a dict of strings: the object collective's pickle is our own
+    return {name: record for records in every for name, record in records.items()}
 
 
-def load_sharded(state: dict, path: Path, group=None) -> None:
-    """Fill the tensors of `state` in place (each rank its own slices) from the checkpoint at `path`. A file that
-    cannot be read (truncated, say) raises UnsafeCheckpoint on every rank, whichever rank read it; some tensors
-    may have been filled by then."""
-    reader = _SafeReader(str(path))
+def load_sharded(state: dict, path: Path, group=None, check: Callable[[str], None] | None = None) -> None:
+    """Fill the tensors of `state` in place (each rank its own slices) from the checkpoint at `path`, each shard file
+    given to `check` (by its name in `path`) before it is read. A file that cannot be read (truncated, say) raises
+    UnsafeCheckpoint on every rank, and one `check` refuses its CheckpointError (the lowest rank's), whichever rank
+    read it; some tensors may have been filled by then."""
+    reader = _SafeReader(str(path), check)
     reader.read_metadata()  # fails here with a plain message; inside dcp.load it would come wrapped
     try:
         with _single_process_is_intended():
             dcp.load(state, storage_reader=reader, process_group=group)
     except CheckpointException as err:  # every rank's failures, gathered by DCP (not even an Exception)
-        rank, (failure, _) = next(iter(err.failures.items()))
+        rank, (failure, _) = min(err.failures.items(), key=lambda item: item[0])
+        if isinstance(failure, CheckpointError):  # a check's verdict (a changed file is not a cut one): kept whole
+            raise failure from None
         said = (str(failure).strip().splitlines() or [""])[0]
         why = f"{type(failure).__name__}: {said}" if said else type(failure).__name__
         raise UnsafeCheckpoint(f"cannot read {path} (rank {rank}: {why})") from None

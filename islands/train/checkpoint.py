@@ -1,7 +1,8 @@
 """Checkpoints that are either complete or ignored (their layout: islands/rundir.py).
 
-Every rank writes its shards (torch.distributed.checkpoint) into a temporary folder, which rank 0 fills with the
-whole weights, the trainer's state and the counters, marks complete and renames into place only when whole.
+Every rank writes its shards (torch.distributed.checkpoint) into a temporary folder and hashes them; rank 0 fills it
+with the whole weights, the trainer's state, the counters and the manifest of every file (the shards' records
+gathered from their ranks), marks it complete and renames it into place only when whole.
 """
 
 import os
@@ -14,12 +15,15 @@ from islands.errors import CheckpointError, TrainingStopped
 from islands.parallel.distributed_checkpoint import UnsafeCheckpoint, load_sharded, save_sharded
 from islands.rundir import (
     MARKER,
+    SHARDED,
     CheckpointState,
     checkpoint_dir,
     checkpoint_files,
     latest_checkpoint,
     list_checkpoints,
+    read_state,
     save_weights,
+    verified,
 )
 
 
@@ -44,14 +48,17 @@ def write_checkpoint(run_dir: Path, images: int, sharded: dict, exports: dict, t
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        save_sharded(sharded, tmp / "sharded", group)  # DCP fsyncs its own files
+        if not main:  # on a node that shares no filesystem with rank 0 its folder is not there
+            tmp.mkdir(parents=True, exist_ok=True)
+        shards = save_sharded(sharded, tmp / SHARDED, group)  # DCP fsyncs its own files
         if not main:
             return final
         for name, weights in exports.items():
             save_weights(weights, tmp / name)
         torch.save(trainer, tmp / "trainer.pt")
-        # every file's size and sha256 (the shards of all ranks included), which every read of it checks
-        CheckpointState(**state, files=checkpoint_files(tmp)).write(tmp / "state.json")
+        # every file's size and sha256, the shards' as their ranks hashed them, which every read of them checks
+        recorded = {f"{SHARDED}/{name}": record for name, record in shards.items()}
+        CheckpointState(**state, files=checkpoint_files(tmp, recorded)).write(tmp / "state.json")
         (tmp / MARKER).write_text("")
         for f in tmp.iterdir():
             if f.is_file():
@@ -89,9 +96,12 @@ def adam_state(opt: torch.optim.Optimizer, net: torch.nn.Module) -> dict:
     return held
 
 
-def read_sharded(ckpt: Path, state: dict, group=None) -> None:
-    """Fill `state`'s tensors in place with this rank's slices of the checkpoint's sharded state."""
+def read_sharded(ckpt: Path, state: dict, group=None, record: CheckpointState | None = None) -> None:
+    """Fill `state`'s tensors in place with this rank's slices of the checkpoint's sharded state, each shard file it
+    reads checked first against the checkpoint's record (`record`, else its state.json): cut short, a CheckpointError;
+    changed, a TamperedCheckpoint, on every rank."""
+    record = record or read_state(ckpt)
     try:
-        load_sharded(state, ckpt / "sharded", group)
+        load_sharded(state, ckpt / SHARDED, group, lambda name: verified(ckpt, f"{SHARDED}/{name}", record))
     except UnsafeCheckpoint as err:
         raise CheckpointError(str(err)) from None

@@ -24,14 +24,16 @@ from islands.parallel.build import build_strategy
 from islands.parallel.launch import World, warn_if_bf16_is_slow
 from islands.parallel.strategies import Strategy
 from islands.rundir import (
+    SHARDED,
     atomic_write_text,
     checkpoint_weights,
+    is_shard,
     latest_checkpoint,
     list_checkpoints,
     prepare_run_dir,
     read_state,
     read_trainer,
-    verify_checkpoint,
+    verified,
     write_config,
     write_model_description,
 )
@@ -120,15 +122,21 @@ class Parts:
         small = {}
 
         def read_small():  # every rank reads them, and must know before the collective read whether all could
-            state = verify_checkpoint(ckpt) if self.main else None  # every file's bytes, once
-            small.update(trainer=read_trainer(ckpt), progress=Progress(**(state or read_state(ckpt)).progress))
+            state = read_state(ckpt)
+            # the files this rank reads, checked before: rank 0 those it wrote itself, every rank the trainer's state
+            # and DCP's metadata; each rank's shards are checked by the ranks that read them (read_sharded)
+            for name in state.files if self.main else ("trainer.pt", f"{SHARDED}/.metadata"):
+                if not is_shard(name):
+                    verified(ckpt, name, state)
+            small.update(trainer=read_trainer(ckpt), progress=Progress(**state.progress), state=state)
 
         held = self.held_state()
         why = agreed(self.world, read_small)
         changed = TamperedCheckpoint.__name__
         if not self.world.all_finite(not (why or "").startswith(changed)):  # every rank stops, or none
             return why if (why or "").startswith(changed) else f"{changed}: {ckpt}: another rank found a file changed"
-        why = why or agreed(self.world, lambda: read_sharded(ckpt, self.sharded_state(held), self.world.group))
+        why = why or agreed(self.world, lambda: read_sharded(ckpt, self.sharded_state(held), self.world.group,
+                                                             small["state"]))
         if why:
             return why
         self.strategy.checkpoint.resumed()
