@@ -19,9 +19,13 @@ from test_parallel import final_weights, mlp_config, relative_difference
 from islands.config import validate
 from islands.errors import CheckpointError, ConfigError
 from islands.parallel.fault_tolerance import (  # first: it quiets torchft's INFO logs
+    HealRefused,
     SafetensorsTransport,
     checked,
+    fitting,
     from_bytes,
+    replica_config_sha256,
+    same_config,
     to_bytes,
 )
 from islands.parallel.launch import World
@@ -212,3 +216,83 @@ def test_lighthouse_keys_are_checked_in_one_line():
             validate({**base, "parallel": {**base["parallel"], **extra}})
     with pytest.raises(ValueError, match="parallel.fragments: streamed fragments are not offered"):
         LocalSGDStrategy(World(), sync_every=4, fragments=2, lighthouse="127.0.0.1:1", replicas=2, replica_id=0)
+
+
+@pytest.mark.parametrize("change", ["config", "shape", "key", "not safetensors"])
+def test_a_malformed_heal_is_refused_where_it_arrives_in_one_line_naming_the_peer(change):
+    """Issue 39.3: what a peer serves for healing is checked as it arrives (its config's hash, then its tensors'
+    names and shapes), and refused with one line naming the peer's address, kept for the replica to leave on."""
+    own = {"anchor": {"w": torch.zeros(2, 3)}, "images": 0, "config_sha256": "a" * 64}
+    sent = {"anchor": {"w": torch.ones(2, 3)}, "images": 64, "config_sha256": "a" * 64}
+    if change == "config":
+        sent["config_sha256"] = "b" * 64
+    elif change == "shape":
+        sent["anchor"]["w"] = torch.ones(3, 2)
+    elif change == "key":
+        sent["anchor"]["v"] = sent["anchor"].pop("w")
+    peer, here = (SafetensorsTransport("127.0.0.1", timedelta(seconds=5), check) for check in (
+        lambda state: None, lambda state: (same_config(state, "a" * 64), fitting(state, own))))
+    try:
+        peer.send_checkpoint([1], 3, {"user": {"default": sent}, "torchft": {"step": 3, "batches_committed": 6}},
+                             timedelta(seconds=5))
+        if change == "not safetensors":
+            peer.payload = b"\x80\x04junk"
+        with pytest.raises(HealRefused) as refused:
+            here.recv_checkpoint(0, peer.address, 3, timedelta(seconds=5))
+        said = str(refused.value)
+        assert "\n" not in said and f"the peer at {peer.address}" in said and "leaves the quorum" in said, said
+        why = {"config": "config's sha256 is bbbbbbbb", "shape": "anchor/w is float32 [3, 2] there",
+               "key": "anchor/v is float32 [2, 3] there, missing here", "not safetensors": "not safetensors"}[change]
+        assert why in said and here.refused == said, said
+    finally:
+        peer.shutdown()
+        here.shutdown()
+    fine = SafetensorsTransport("127.0.0.1", timedelta(seconds=5), lambda state: same_config(state, "a" * 64))
+    try:  # the control: the same exchange with a state that fits goes through
+        fine.send_checkpoint([1], 3, {"user": {"default": own}, "torchft": {"step": 3, "batches_committed": 6}},
+                             timedelta(seconds=5))
+        assert fine.recv_checkpoint(0, fine.address, 3, timedelta(seconds=5))["user"]["default"]["images"] == 0
+        assert fine.refused is None
+    finally:
+        fine.shutdown()
+
+
+def test_the_config_hash_replicas_agree_on_leaves_out_what_is_their_own():
+    cfg = {"run_dir": "r0", "data": {"source": "gmm", "means": [[1.0, 0.0]], "std": 0.2, "size": 64},
+           "model": {"arch": "mlp", "hidden": 8, "depth": 2},
+           "parallel": {"strategy": "diloco", "lighthouse": "127.0.0.1:1", "replicas": 2, "replica_id": 0}}
+    base = replica_config_sha256(validate(cfg))
+    other = {**cfg, "run_dir": "r1", "parallel": {**cfg["parallel"], "replica_id": 1, "host": "10.0.0.2"}}
+    assert replica_config_sha256(validate(other)) == base
+    assert replica_config_sha256(validate({**cfg, "train": {"lr": 1e-2}})) != base
+
+
+def test_a_replica_of_another_config_is_refused_its_heal_and_leaves_while_the_other_trains_on(tmp_path, lighthouse):
+    """Replica 1 starts late with another learning rate, so it must heal from replica 0 at its first synchronisation:
+    it is refused in one line naming the peer and exits (it left the quorum, instead of asking again at every
+    synchronisation), and replica 0 trains on to the end."""
+    cfg = plain(mlp_config(tmp_path), images=32000, checkpoint_every=3200, log_every=3200)
+    strategy = ("parallel.strategy=diloco", "parallel.sync_every=4")
+    deadline = time.monotonic() + TIMEOUT_S
+    survivor = replica(cfg, tmp_path, 0, lighthouse, *strategy)
+    other = None
+    try:
+        while latest_checkpoint(tmp_path / "r0") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = time.monotonic()
+        other = replica(cfg, tmp_path, 1, lighthouse, *strategy, "train.lr=0.002")
+        refused = finish(other, min(deadline, started + 120))
+        left_after = time.monotonic() - started
+        done = finish(survivor, deadline)
+    finally:
+        for p in (survivor, other):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    lines = [line for line in refused.stderr.splitlines() if "refused the healing state" in line]
+    assert len(lines) == 1 and "the peer at http://127.0.0.1:" in lines[0] and "config's sha256" in lines[0], \
+        refused.stderr[-2000:]
+    assert "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(latest_checkpoint(tmp_path / "r0").name) == 32000
+    print(f"replica 1 was refused and exited {left_after:.1f} s after it started")

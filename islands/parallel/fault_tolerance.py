@@ -21,8 +21,12 @@ committed only if every one of them got through it. So:
 
 Healing sends the state as safetensors over HTTP (`SafetensorsTransport`): torchft's own transports unpickle what a
 peer sends, and another island is not trusted with that. The server has no authentication: replicas must meet on a
-network that only they reach (README). A state whose names, shapes or dtypes differ from this replica's own is
-refused before any of it is applied (`fitting`). torchft's `LocalSGD` and `DiLoCo` wrappers are not used:
+network that only they reach (README). A healing state is checked where it arrives, before any of it is applied:
+safetensors, torchft's two counters, the hash of the peer's config (`replica_config_sha256`: the keys that decide a
+trajectory) equal to this replica's, and the names, shapes and dtypes of this replica's own state (`fitting`). One
+that fails is refused with one line naming the peer, and the replica leaves the quorum (its manager shut down, the
+run stopped with `HealRefused`) rather than ask the same peer again at every synchronisation.
+torchft's `LocalSGD` and `DiLoCo` wrappers are not used:
 Islands' strategies already implement both methods (with the image clock, weighting and streaming the trainer
 needs); only the exchange and the membership come from torchft.
 """
@@ -48,12 +52,38 @@ from torchft.checkpointing.transport import CheckpointTransport  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
 from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
+from islands.config import BESIDE_THE_RUN, RESUMABLE_CHANGES, Config, to_dict  # noqa: E402
+from islands.config import flatten as flatten_config  # noqa: E402
 from islands.errors import CheckpointError  # noqa: E402
 from islands.parallel.launch import World  # noqa: E402
 from islands.parallel.ledger import Ledger  # noqa: E402
 
-# ...and its manager warns at every new quorum that it cannot reset NCCL's flight recorder, which gloo has not
-logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
+
+class HealRefused(CheckpointError):
+    """A peer's healing state that this replica will not take (not safetensors, another config, other tensors)."""
+
+
+# ...and its manager warns at every new quorum that it cannot reset NCCL's flight recorder, which gloo has not; a
+# refused heal is said once, in one line, by the run itself (torchft would log it with its traceback)
+logging.getLogger("torchft.manager").addFilter(
+    lambda record: "flight recorder" not in record.getMessage() and not (
+        record.exc_info and isinstance(record.exc_info[1], HealRefused)))
+
+# Keys that may differ between the replicas of one run: where each keeps its run and data, who it is.
+_OWN_TO_A_REPLICA = ("parallel.replica_id",)
+_PATH_KEY_ENDS = ("path", "root", "folder", "dir")
+
+
+def replica_config_sha256(cfg: Config) -> str:
+    """The sha256 of what decides a replica's trajectory: its resolved config without the keys a resume may change
+    (RESUMABLE_CHANGES), its replica id, and the data's file locations (each machine keeps its own copy; its bytes
+    are checked by their fingerprint). Replicas that heal one another must agree on it."""
+    import hashlib
+
+    keys = {key: value for key, value in flatten_config(to_dict(cfg)).items()
+            if not (key in RESUMABLE_CHANGES or key.split(".")[0] in RESUMABLE_CHANGES or key in BESIDE_THE_RUN
+                    or key in _OWN_TO_A_REPLICA or (key.startswith("data.") and key.endswith(_PATH_KEY_ENDS)))}
+    return hashlib.sha256(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def leaves(state: dict, prefix: str = ""):
@@ -124,10 +154,12 @@ def fitting(received: dict, own: dict) -> dict:
 
 class SafetensorsTransport(CheckpointTransport):
     """torchft's checkpoint transport for healing, serving the state a peer asks for as safetensors bytes from a
-    small HTTP server on `host`."""
+    small HTTP server on `host`. What a peer sends is given to `check` (this replica's, raising a CheckpointError)
+    where it arrives; a refusal is kept in `refused`, one line naming the peer, for the replica to act on."""
 
-    def __init__(self, host: str, timeout: timedelta):
-        self.timeout, self.payload, self.step = timeout, b"", -1
+    def __init__(self, host: str, timeout: timedelta, check: Callable[[dict], None] = lambda state: None):
+        self.timeout, self.payload, self.step, self.check = timeout, b"", -1, check
+        self.refused: str | None = None
         self.ready = threading.Event()
         transport = self
 
@@ -162,9 +194,16 @@ class SafetensorsTransport(CheckpointTransport):
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> dict:
         with urllib.request.urlopen(f"{metadata}{step}", timeout=timeout.total_seconds()) as response:
-            state = from_bytes(response.read())
-        # torchft takes its two counters from it as they are; this replica's own state is checked where it is applied
-        fitting({"torchft": state.get("torchft", {})}, {"torchft": {"step": step, "batches_committed": 0}})
+            data = response.read()
+        try:
+            state = from_bytes(data)
+            # torchft takes its two counters from it as they are
+            fitting({"torchft": state.get("torchft", {})}, {"torchft": {"step": step, "batches_committed": 0}})
+            self.check(state.get("user", {}).get("default", {}))
+        except (CheckpointError, ValueError) as err:
+            self.refused = (f"refused the healing state of the peer at {metadata} (replica {src_rank} of the quorum, "
+                            f"synchronisation {step}): {err}; this replica leaves the quorum")
+            raise HealRefused(self.refused) from None
         return state
 
     def shutdown(self, wait: bool = True) -> None:
@@ -177,6 +216,23 @@ def checked(load: Callable[[dict], None], state: Callable[[], dict]) -> Callable
     return lambda received: load(fitting(received, state()))
 
 
+def same_config(received: dict, config_sha256: str) -> None:
+    """A peer's healing state comes from a replica of this same config (its `replica_config_sha256`)."""
+    theirs = received.get("config_sha256", "none")
+    if theirs != config_sha256:
+        raise HealRefused(f"its config's sha256 is {str(theirs)[:16]}..., this replica's {config_sha256[:16]}... "
+                          "(does the peer train another config?)")
+
+
+def labelled(state: Callable[[], dict], config_sha256: str) -> Callable[[], dict]:
+    """`state()`, with the hash of the config it comes from, for the healing peer to check."""
+    return lambda: {**state(), "config_sha256": config_sha256}
+
+
+def unlabelled(load: Callable[[dict], None]) -> Callable[[dict], None]:
+    return lambda received: load({k: v for k, v in received.items() if k != "config_sha256"})
+
+
 class ReplicaLink:
     """The synchronisation of one replica with the others present: quorum, weighted all-reduce, commit.
 
@@ -184,7 +240,8 @@ class ReplicaLink:
     nested dicts of tensors and numbers."""
 
     def __init__(self, lighthouse: str, replica_id: int, world: World, host: str | None, min_replicas: int,
-                 timeout_s: float, quorum_timeout_s: float, state: Callable[[], dict], load: Callable[[dict], None]):
+                 timeout_s: float, quorum_timeout_s: float, state: Callable[[], dict], load: Callable[[dict], None],
+                 config_sha256: str = ""):
         host = host or socket.gethostname()
         lighthouse = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
         timeout = timedelta(seconds=timeout_s)
@@ -194,9 +251,15 @@ class ReplicaLink:
         else:  # one process: the store its manager and torchft's process group meet at
             self.store = torch.distributed.TCPStore(host, 0, 1, is_master=True, wait_for_workers=False)
             store_addr, store_port = host, self.store.port
-        self.transport = SafetensorsTransport(host, timeout)
+        sent = labelled(state, config_sha256)
+
+        def check(received: dict) -> None:  # in torchft's quorum thread, while the training thread waits for it
+            same_config(received, config_sha256)
+            fitting(received, sent())
+
+        self.transport = SafetensorsTransport(host, timeout, check)
         # init_sync=False: every replica draws the same initial weights from the config's seed
-        self.manager = Manager(ProcessGroupGloo(timeout=timeout), checked(load, state), state,
+        self.manager = Manager(ProcessGroupGloo(timeout=timeout), checked(unlabelled(load), sent), sent,
                                min_replica_size=min_replicas,
                                use_async_quorum=False, timeout=timeout,
                                quorum_timeout=timedelta(seconds=quorum_timeout_s),
@@ -210,6 +273,9 @@ class ReplicaLink:
         """Join this synchronisation's quorum (healing first if this replica is behind) and learn the sum of the
         weights of the replicas present."""
         self.manager.start_quorum()
+        if self.transport.refused:  # asking again would meet the same peer: leave, and say why once
+            self.close()
+            raise HealRefused(self.transport.refused)
         total = torch.tensor([weight], dtype=torch.float64)
         self.manager.allreduce(total, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         self.total = float(total)
@@ -235,5 +301,7 @@ class ReplicaLink:
         self.manager.load_state_dict(state)
 
     def close(self) -> None:
-        self.manager.shutdown(wait=False)
-        self.transport.shutdown()
+        if self.manager is not None:  # once: a refused heal closes the link before the run's end does
+            self.manager.shutdown(wait=False)
+            self.transport.shutdown()
+            self.manager = None

@@ -302,7 +302,11 @@ class LocalSGDStrategy(Strategy):
         par = cfg.parallel
         keys = ("sync_every", "fragments", "replicas", "worker_batch", "worker_sync_every", "lighthouse", "replica_id",
                 "host", "min_replicas", "timeout_s", "quorum_timeout_s")
-        return {**super().options(cfg), **{k: getattr(par, k) for k in keys}, "batch_size": cfg.train.batch_size}
+        options = {**super().options(cfg), **{k: getattr(par, k) for k in keys}, "batch_size": cfg.train.batch_size}
+        if par.lighthouse is not None:  # replicas that heal one another check that they train one config
+            from islands.parallel.fault_tolerance import replica_config_sha256
+            options["config_sha256"] = replica_config_sha256(cfg)
+        return options
 
     @classmethod
     def check(cls, cfg: Config) -> None:
@@ -315,7 +319,8 @@ class LocalSGDStrategy(Strategy):
                  fragments: int = 1, replicas: int | None = None,
                  worker_batch: list[int] | None = None, worker_sync_every: list[int] | None = None,
                  lighthouse: str | None = None, replica_id: int | None = None, host: str | None = None,
-                 min_replicas: int = 1, timeout_s: float = 600.0, quorum_timeout_s: float = 3600.0):
+                 min_replicas: int = 1, timeout_s: float = 600.0, quorum_timeout_s: float = 3600.0,
+                 config_sha256: str = ""):
         super().__init__(world, compression, precision, compile, activation_checkpointing)
         if fragments > sync_every:
             raise ValueError(f"parallel.fragments: {fragments} fragments cannot take turns within "
@@ -351,7 +356,8 @@ class LocalSGDStrategy(Strategy):
                                        outer_group, own)
         if lighthouse is not None:
             self.replicas.link = ReplicaLink(lighthouse, replica_id, world, host, min_replicas, timeout_s,
-                                             quorum_timeout_s, self.replicas.shared_state, self.replicas.heal)
+                                             quorum_timeout_s, self.replicas.shared_state, self.replicas.heal,
+                                             config_sha256)
         self.checkpoint = ReplicaCheckpoint(self.replicas, world.rank)
 
     def _replicas(self, compression: str, *args) -> LocalSGD:
