@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import os
 import sys
 import typing
 import warnings
@@ -24,8 +25,14 @@ def _train(args) -> int:
     roles, overrides = split_roles(args.overrides)
     cfg = config_for_roles(load_config(args.config, overrides), roles)
     run_dir = train(cfg, progress=not args.quiet, teacher=_teacher(cfg), fall_back=args.fall_back)
-    print(run_summary(run_dir))
+    if _speaks():
+        print(run_summary(run_dir))
     return 0
+
+
+def _speaks() -> bool:
+    """Whether this process tells people about the run: one per run, the job's rank 0 (torchrun's RANK)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _sample(args) -> int:
@@ -169,7 +176,9 @@ def _distill(args) -> int:
     if cfg.eval.every:  # the student's evaluations would import a feature module: only one the user names
         named = apply_overrides({}, args.overrides).get("eval", {}).get("feature_net")
         trusted_features(cfg.eval, named, config_file, "eval.feature_net=")
-    print(run_summary(train(cfg, progress=not args.quiet, teacher=_teacher(cfg))))
+    run_dir = train(cfg, progress=not args.quiet, teacher=_teacher(cfg))
+    if _speaks():
+        print(run_summary(run_dir))
     return 0
 
 
@@ -510,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (TrainingStopped, MemberFailed) as err:
         print(f"islands: {err}", file=sys.stderr)
-        return 1
+        return getattr(err, "exit_status", 1)  # a preempted run's (75) asks to be run again
     except KeyboardInterrupt:
         print("islands: interrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
         return 130

@@ -21,8 +21,9 @@ from islands.parallel.launch import World, close_world, init_world
 from islands.rundir import atomic_write_text, latest_checkpoint
 from islands.train.flops import flops_per_image, write_flops
 from islands.trainer.parts import Parts, build_parts, learning_rate
+from islands.trainer.preemption import Preemption
 from islands.trainer.ranges import tstage_config
-from islands.trainer.reporters import Step, build_reporters
+from islands.trainer.reporters import Step, build_reporters, crossed
 
 
 def train(cfg: Config, progress: bool = True, teacher=None, fall_back: bool = False) -> Path:
@@ -34,11 +35,15 @@ def train(cfg: Config, progress: bool = True, teacher=None, fall_back: bool = Fa
     """
     world = init_world(cfg.parallel.timeout_s)
     progress = progress and world.is_main
+    preemption = None
     try:
         if STRATEGIES[cfg.parallel.strategy].path is None:  # tstages: groups of ranks, each a run of its own
             cfg, world = range_of_this_rank(cfg, world)
-        return _train(cfg, world, progress, teacher, fall_back)
+        preemption = Preemption(world)  # SIGUSR1 (Slurm), SIGTERM (a spot instance): a checkpoint, then stop
+        return _train(cfg, world, progress, teacher, fall_back, preemption)
     finally:
+        if preemption is not None:
+            preemption.close()
         close_world()
 
 
@@ -52,7 +57,8 @@ def range_of_this_rank(cfg: Config, world: World) -> tuple[Config, World]:
     return tstage_config(cfg, index, {"strategy": "ddp" if group.distributed else "none"}), group
 
 
-def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool = False) -> Path:
+def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool = False,
+           preemption: Preemption | None = None) -> Path:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     # Adam's second moments of rarely-used weights decay into denormal floats, which are ~100x slower on CPUs.
@@ -136,6 +142,11 @@ def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool =
                         sum(parts.strategy.ledger.close_step().values()), images, lr, state.images >= cfg.train.images)
             for reporter in reporters:
                 reporter(step)
+            if preemption is not None and not step.done and preemption.agreed():  # every rank stops after this step
+                if not crossed(before, state.images, cfg.train.checkpoint_every):  # the checkpointer has not just
+                    parts.save_checkpoint(state)
+                    world.barrier()
+                raise preemption.stop(state.images, latest_checkpoint(parts.run_dir))
     finally:
         for reporter in reporters:
             reporter.close()
