@@ -45,7 +45,8 @@ class _Data(Section):
     # transformers text model (CLIP's, T5's, ...; islands/nets/text_folder.py)
     text_encoder: str = "minilm"
     # the order examples are read in (islands/data/order.py): global, a permutation of all of them per epoch; blocks,
-    # shuffled blocks of contiguous examples of one shard, a window of blocks at a time (for slow storage)
+    # shuffled blocks of contiguous examples of one shard, a window of blocks at a time (for slow storage: the
+    # default for shards at a URL, global elsewhere)
     order: Literal["global", "blocks"] = "global"
     # order blocks: the examples of a block, read together
     block: int = Field(256, ge=1)
@@ -129,6 +130,20 @@ class ShardsData(_Data):
     # a member that fails its sha256 or does not decode when read: stop the run naming it (exit 2), or replace the
     # example by the next good one of the data set and count it (skipped_examples in metrics.jsonl)
     on_error: Literal["stop", "skip"] = "stop"
+    # shards at a URL: a local folder that keeps their tars whole, shared safely by loader workers and ranks; None:
+    # blocks read by ranged requests, nothing kept on disk
+    cache: str | None = None
+    # data.cache's budget in bytes: past it the least recently used tars are removed first; None: no limit
+    cache_bytes: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _order_for_urls(self):
+        """Object stores serve long ranges well and single examples badly: blocks, unless the config says."""
+        from islands.data.storage import is_url
+
+        if "order" not in self.model_fields_set and is_url(self.path):
+            self.order = "blocks"
+        return self
 
 
 class GMMData(_Data):
@@ -167,9 +182,12 @@ def captioned(data) -> bool:
             return hf_has_captions(data.path, data.caption_key, data.split)
         except (ValueError, OSError, ImportError):
             return False  # refused, by name, where the run opens it
-    manifest = Path(data.path) / "manifest.json" if data.source == "shards" else None
+    if data.source != "shards":
+        return False
+    from islands.data.storage import join, location, read_bytes
+
     try:
-        return manifest is not None and "txt" in json.loads(manifest.read_text()).get("members", [])
+        return "txt" in json.loads(read_bytes(join(location(data.path), "manifest.json"))).get("members", [])
     except (OSError, ValueError, AttributeError):
         return False  # a folder that cannot be read is refused, by name, where the run opens it
 

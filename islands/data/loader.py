@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from islands.data import streams
 from islands.data.batch import Batch
-from islands.data.order import GlobalOrder
+from islands.data.order import BlockOrder, GlobalOrder
 from islands.data.schedule import WorkerSchedule
 from islands.data.sources import CLUSTER, LABEL, X
 from islands.data.space import DataSpace
@@ -60,12 +60,16 @@ class StreamDataset(Dataset):
     workers, when it has any). `condition`: the field the network is conditioned on (a class; a caption's
     embedding)."""
 
-    def __init__(self, source, seed: int, flip: bool, shape: tuple, condition: str = LABEL):
+    def __init__(self, source, seed: int, flip: bool, shape: tuple, condition: str = LABEL, order=None):
         self.source, self.seed, self.flip, self.shape, self.condition = source, seed, flip, shape, condition
+        self.holding = read_in(source, order)
 
     def __getitems__(self, items: list[tuple[int, int]]) -> Batch:
         indices = [i for i, _ in items]
         positions = [p for _, p in items]
+        if self.holding is not None:  # shards at a URL read in blocks: which blocks this batch ends the use of
+            shards, order = self.holding
+            shards.hold_until({i: order.window_end(p) for i, p in items}, min(positions))
         got = self.source.read(indices, (X, self.condition, CLUSTER))
         condition = got.get(self.condition)
         conditioned = condition is not None
@@ -90,14 +94,33 @@ def stream_loader(source, batch_size: int, seed: int, start: int = 0, rank: int 
     apply (`flip`; None: the source's own default) and the noise drawn at `shape` (None: the source's), in `order`
     (data/order.py; None: a global permutation per epoch)."""
     schedule = schedule or WorkerSchedule.even(batch_size, world)
-    order = StreamOrder(order or GlobalOrder(len(source), seed), schedule, start, rank, part, parts, own_order)
+    order = order or GlobalOrder(len(source), seed)
     dataset = StreamDataset(source, seed, source.flip if flip is None else flip, tuple(shape or source.shape),
-                            condition)
+                            condition, order)
+    order = StreamOrder(order, schedule, start, rank, part, parts, own_order)
     # Its own generator: a DataLoader iterator otherwise draws its worker seed from the global RNG,
     # which would shift dropout masks after a resume.
     return DataLoader(dataset, batch_sampler=order, collate_fn=_already_batched, num_workers=workers,
                       prefetch_factor=4 if workers else None, generator=torch.Generator().manual_seed(seed),
                       pin_memory=pin_memory)
+
+
+def read_in(source, order):
+    """Shards at a URL are read as the order asks for them: under data.order blocks, each block with one ranged
+    request, held in the reading process (a loader worker) until the positions of its window are behind the batches
+    that process reads (a process reads its batches in position order), so each block is requested once per process
+    per epoch; under global, one request per example. -> (the shard reader, the order) where blocks are held, else
+    None. Nothing changes for data read from a local disk."""
+    from islands.data.shards import shard_source_of
+
+    shards = shard_source_of(source)
+    if shards is None or not shards.remote:
+        return None
+    if not isinstance(order, BlockOrder):
+        shards.hold_blocks(None)
+        return None
+    shards.hold_blocks(order.block, None)
+    return shards, order
 
 
 def training_batches(source, space: DataSpace, batch_size: int, seed: int, device, flip: bool | None = None,

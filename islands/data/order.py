@@ -43,17 +43,28 @@ class BlockOrder:
         self.first = np.concatenate(firsts) if firsts else np.zeros(0, np.int64)  # each block's first example
         ends = np.minimum(self.first + block, np.repeat(starts[1:], [len(f) for f in firsts]))
         self.size = ends - self.first
-        self.n, self.window, self.seed = int(starts[-1]), window, seed
+        self.n, self.block, self.window, self.seed = int(starts[-1]), block, window, seed
         self._epoch, self._group = -1, (-1, None)
 
-    def index_of(self, position: int) -> int:
-        epoch, at = divmod(position, self.n)
+    def _of_epoch(self, epoch: int) -> None:
         if epoch != self._epoch:
             self._epoch, self._group = epoch, (-1, None)
             self._blocks = torch.randperm(len(self.first), generator=streams.generator(self.seed, epoch, "order"))
             sizes = self.size[self._blocks.numpy()]
             per_group = np.add.reduceat(sizes, np.arange(0, len(sizes), self.window))
             self._group_starts = np.concatenate([[0], np.cumsum(per_group)])
+
+    def window_end(self, position: int) -> int:
+        """The first position after the window `position` reads in: past it, none of that window's blocks is read
+        again this epoch (what a reader holding them may drop, data/loader.py)."""
+        epoch, at = divmod(position, self.n)
+        self._of_epoch(epoch)
+        group = int(np.searchsorted(self._group_starts, at, side="right")) - 1
+        return epoch * self.n + int(self._group_starts[group + 1])
+
+    def index_of(self, position: int) -> int:
+        epoch, at = divmod(position, self.n)
+        self._of_epoch(epoch)
         group = int(np.searchsorted(self._group_starts, at, side="right")) - 1
         if self._group[0] != group:
             self._group = (group, self._examples_of(epoch, group))

@@ -43,10 +43,11 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from islands.data import storage
+from islands.data.fingerprint import cache_dir
 from islands.data.sources import CAPTION, CAPTION_EMBEDDING, LABEL, Source, X
 from islands.data.sources import _to_unit as to_unit
 from islands.errors import DataError, IslandsWarning
-from islands.rundir import building_folder, finish_building, refuse_foreign_building_folder, start_building
 from islands.untrusted import file_sha256, inside
 
 MANIFEST = "manifest.json"
@@ -56,6 +57,8 @@ MAX_EXAMPLE_NUMBERS = 1 << 28  # numbers in one example (a GiB of float32): a ma
 MAX_CLASSES = 1 << 20
 OPEN_FILES = 64  # shard files a process keeps open (least recently read closed first)
 READ_CHUNK = 1024  # examples taken from the source at a time while writing
+HELD_BLOCK = 256  # at a URL: the examples one ranged request reads, unless the loader's order says otherwise
+HELD_BLOCKS = 2  # ... and the blocks a process holds, unless the loader's order says otherwise
 
 
 CAPTION_MEMBER = "caption.npy"  # a caption's packed embedding (islands encode --text-encoder)
@@ -122,9 +125,11 @@ def shard_count(examples: int, shard_size: int) -> int:
 
 
 def write_part(source: Source, folder: Path, shard_size: int, rank: int = 0, ranks: int = 1,
-               progress: bool = False, writer: ExampleWriter | None = None) -> list[dict]:
+               progress: bool = False, writer: ExampleWriter | None = None,
+               publish: Callable[..., None] = lambda *names: None) -> list[dict]:
     """Rank `rank` of `ranks`: the shards i = rank mod ranks of `source` into `folder`, each with its index, each
-    example's members made by `writer` (by default the example itself). -> their manifest entries."""
+    example's members made by `writer` (by default the example itself), each shard's files handed to `publish` once
+    written (storage.Staging's: put at a URL). -> their manifest entries."""
     try:  # only writing needs it
         from webdataset import TarWriter
     except ImportError as err:
@@ -159,6 +164,7 @@ def write_part(source: Source, folder: Path, shard_size: int, rank: int = 0, ran
                         "examples": hi - lo, "bytes": tar.stat().st_size, "sha256": file_sha256(tar),
                         "index_sha256": file_sha256(folder / index_name(i)),
                         "digests_sha256": file_sha256(folder / digests_name(i))})
+        publish(shard_name(i), index_name(i), digests_name(i))
     bar.close()
     return entries
 
@@ -183,36 +189,36 @@ def _digests_of(tar: Path, index: np.ndarray) -> np.ndarray:
     return digests
 
 
-def refuse_written_over(out: Path) -> None:
-    """`out` must be absent or an empty folder, and a `.OUT.partial` beside it one that Islands was building."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DataError(f"{out} is not an empty folder; shards are never written over another data set")
-    refuse_foreign_building_folder(out)
+refuse_written_over = storage.refuse_written_over
 
 
 def write_shards(source: Source, out: Path, shard_size: int, made_from: dict, rank: int = 0, ranks: int = 1,
                  barrier: Callable[[], None] = lambda: None, progress: bool = False,
                  writer: ExampleWriter | None = None) -> dict | None:
     """Every rank its shards (`write_part`), rank 0 the manifest, all into a hidden folder beside `out` renamed to
-    `out` once whole, so that no half-written shard folder is ever left as `out` (which must be absent or empty).
-    -> the manifest on rank 0, None on the others. `barrier` waits for every rank (a World's)."""
+    `out` once whole, so that no half-written shard folder is ever left as `out` (which must be absent or empty); at
+    a URL, each shard put as it is finished and the manifest last (storage.Staging). -> the manifest on rank 0, None
+    on the others. `barrier` waits for every rank (a World's)."""
     refuse_written_over(out)
-    barrier()  # every rank has looked at `.OUT.partial` before rank 0 removes the one a killed attempt left
-    partial = start_building(out) if rank == 0 else building_folder(out)
-    barrier()
-    writer = writer or ExampleWriter(source)
-    (partial / f".rank-{rank}.json").write_text(json.dumps(write_part(source, partial, shard_size, rank, ranks,
-                                                                      progress, writer)))
-    barrier()  # every rank's shards are written
-    if rank != 0:
-        return None
-    parts = [partial / f".rank-{r}.json" for r in range(ranks)]
-    shards = [entry for part in parts for entry in json.loads(part.read_text())]
-    for part in parts:
-        part.unlink()
-    manifest = write_manifest(partial, shards, source, shard_size, made_from, writer)
-    finish_building(partial, out)
-    return manifest
+    stage = storage.Staging(out, rank, barrier)
+    try:
+        writer = writer or ExampleWriter(source)
+        part = f".rank-{rank}.json"
+        (stage.local / part).write_text(json.dumps(write_part(source, stage.local, shard_size, rank, ranks, progress,
+                                                              writer, stage.publish)))
+        stage.publish(part)
+        barrier()  # every rank's shards are written
+        if rank != 0:
+            return None
+        parts = [f".rank-{r}.json" for r in range(ranks)]
+        shards = [entry for name in parts for entry in json.loads(stage.fetch(name).read_text())]
+        stage.discard(*parts)
+        manifest = write_manifest(stage.local, shards, source, shard_size, made_from, writer)
+        stage.publish(MANIFEST)
+        stage.finish()
+        return manifest
+    finally:
+        stage.close()
 
 
 def write_manifest(folder: Path, shards: list[dict], source: Source, shard_size: int, made_from: dict,
@@ -254,12 +260,13 @@ class ShardSource(Source):
         if cls is ShardSource and path is not None:
             from islands.data.tar_index import TARS_FORMAT, IndexedTars
 
-            if _format_of(Path(path)) == TARS_FORMAT:  # a folder `islands index` wrote
+            if _format_of(storage.location(path)) == TARS_FORMAT:  # a folder `islands index` wrote
                 cls = IndexedTars
         return super().__new__(cls)
 
-    def __init__(self, path, resolution=None, channels=None, background=None, on_error="stop"):
-        self.root = Path(path)
+    def __init__(self, path, resolution=None, channels=None, background=None, on_error="stop", cache=None,
+                 cache_bytes=None):
+        self.root = storage.location(path)
         self.manifest = _own_manifest(self.root)
         m = self.manifest
         self.shape, self.num_classes, self.flip = tuple(m["shape"]), m["num_classes"], m["flip"]
@@ -281,9 +288,48 @@ class ShardSource(Source):
         self.index_files = [self._file_named(s["index"]) for s in m["shards"]]
         self.checked_per_member = m["format"] == FORMAT
         self.digest_files = [self._file_named(s["digests"]) for s in m["shards"]] if self.checked_per_member else []
-        for tar, index, entry in zip(self.tars, self.index_files, m["shards"], strict=True):
-            _check_size(tar, index, entry)
+        self._at(cache, cache_bytes)
+        if self.remote:
+            if not self.checked_per_member:
+                raise DataError(f"shard folder {self.root}: format {m['format']} (no member sha256) is read from a "
+                                f"local disk only; {self.remedy}")
+            found = storage.sizes(self.tars)
+            for tar, entry in zip(self.tars, m["shards"], strict=True):
+                _check_object_size(tar, found.get(tar), entry["bytes"])
+        else:
+            for tar, index, entry in zip(self.tars, self.index_files, m["shards"], strict=True):
+                _check_size(tar, index, entry)
         self._ready(on_error)
+
+    def _at(self, cache, cache_bytes) -> None:
+        """Where the folder lies: on this disk, or at a URL (storage.py), whose manifest, indices and member sha256 are
+        copied to a local folder (each checked against the manifest where it is mapped, as a local one is) and whose
+        tars are read by ranged requests, a block of examples at a time, or kept whole in `cache` (DiskCache)."""
+        self.remote = storage.is_url(self.root)
+        self.cache = None
+        if not self.remote:
+            return
+        key = storage.cache_key(f"{self.root}\n{json.dumps(self.manifest, sort_keys=True)}")  # another set: another
+        self.local_files = (Path(cache) / "meta" if cache is not None else cache_dir() / "remote") / key
+        if cache is not None:
+            self.cache = storage.DiskCache(Path(cache) / "tars", cache_bytes)
+        self.hold_blocks(HELD_BLOCK, HELD_BLOCKS)
+
+    def hold_blocks(self, block: int | None, held: int | None = HELD_BLOCKS) -> None:
+        """At a URL, read rows [k block, (k + 1) block) of a shard with one ranged request and keep it: the `held`
+        blocks last read (least recently used out), or with `held` None until `hold_until` says its window is read
+        (data.order blocks' blocks, each read once per process: the loader sets it, data/loader.py). `block` None:
+        one request per example (data.order global, where a block's other examples are wanted far later). Nothing
+        changes for a local folder."""
+        self._block, self._held_capacity, self._held = block, held, OrderedDict()
+        self._ends, self._now = {}, 0
+
+    def hold_until(self, ends: dict[int, int], now: int) -> None:
+        """The batch about to be read: for each example, the position its window ends at (a block read for it is
+        held until then), and the batch's first position: blocks whose window ended before it are dropped."""
+        self._ends, self._now = ends, now
+        for key in [key for key, (_, until) in self._held.items() if until <= now]:
+            del self._held[key]
 
     def _ready(self, on_error: str) -> None:
         """What every kind of shard folder does once its files are named: the per-process state and the skip counter.
@@ -298,11 +344,12 @@ class ShardSource(Source):
         self.checked_columns = [*self.columns, *([m["members"].index("txt")] if self.captioned else [])]
         self.starts = np.cumsum([0] + [s["examples"] for s in m["shards"]])
         self._indices, self._files, self._pid, self._warned = {}, OrderedDict(), os.getpid(), 0
+        self._held, self._ends, self._now = OrderedDict(), {}, 0
         self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_() if on_error == "skip" else None
         self._remember_by_content()
 
-    def _file_named(self, name: str) -> Path:
-        return inside(self.root, name, "shard folder")
+    def _file_named(self, name: str):
+        return _named(self.root, name)
 
     def _remember_by_content(self) -> None:
         """What data/fingerprint.py keys its memory of this source on (the sha256 of `read_from`, the size and mtime
@@ -310,8 +357,11 @@ class ShardSource(Source):
         the source is built, and every member read is checked against those: the manifest alone is the content, and
         the tars' size and mtime only make an honest change be found at the start. A folder without member sha256
         (format /1) is keyed on its tars' content too: hashed whole at every start."""
-        manifest = self.root / MANIFEST
-        if self.checked_per_member:
+        manifest = self.root / MANIFEST if isinstance(self.root, Path) else \
+            self._local_copy(storage.join(self.root, MANIFEST))
+        if self.remote:  # every member read is checked: the manifest is the content
+            self.read_from, self.checked_when_read = (manifest,), ()
+        elif self.checked_per_member:
             self.read_from = (manifest,)
             self.checked_when_read = tuple(self.tars)
         else:
@@ -327,7 +377,23 @@ class ShardSource(Source):
         return tuple(int(s) for s in self.starts)
 
     def __getstate__(self):  # a worker started by spawn opens and maps its own files
-        return {**self.__dict__, "_files": OrderedDict(), "_indices": {}}
+        return {**self.__dict__, "_files": OrderedDict(), "_indices": {}, "_held": OrderedDict()}
+
+    def _local_copy(self, url: str, sha256: str | None = None) -> Path:
+        """A file of the folder at a URL, copied into this machine's `local_files` (again where `sha256` is given and
+        the copy is not those bytes); what it holds is checked by the caller, as a local folder's file is."""
+        local = self.local_files / storage.name_of(url)
+        if sha256 is None or not local.exists() or file_sha256(local) != sha256:
+            if sha256 is None:  # the manifest: read afresh, written only where it changed
+                data = storage.read_bytes(url)
+                if not local.exists() or local.read_bytes() != data:
+                    local.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = local.with_name(f".{local.name}.{os.getpid()}")
+                    tmp.write_bytes(data)
+                    os.replace(tmp, local)
+            else:
+                storage.download(url, local)
+        return local
 
     @property
     def skipped_examples(self) -> int | None:
@@ -433,6 +499,11 @@ class ShardSource(Source):
         where = np.asarray(self._index(shard)[0][row, columns])
         self._check_row(shard, row, columns, where)
         first, end = int(where[:, 0].min()), int((where[:, 0] + where[:, 1]).max())
+        if self._ranged(shard) and self._block:
+            held = self._held_block(shard, row)
+            if held is not None and held[0] <= first and end <= held[0] + len(held[1]):
+                return [self._checked(shard, row, column, held[1][at - held[0]:at - held[0] + size])
+                        for column, (at, size) in zip(columns, where.tolist(), strict=True)]
         if end - first <= int(where[:, 1].sum()) + GAP:
             data = self._pread(shard, row, first, end)
             blobs = [data[at - first:at - first + size] for at, size in where.tolist()]
@@ -441,11 +512,47 @@ class ShardSource(Source):
         return [self._checked(shard, row, column, blob) for column, blob in zip(columns, blobs, strict=True)]
 
     def _pread(self, shard: int, row: int, first: int, end: int) -> bytes:
-        data = os.pread(self._file(shard), end - first, first)
+        data = self._bytes(shard, first, end)
         if len(data) != end - first:
+            size = f"{first + len(data)}+" if self._ranged(shard) else os.fstat(self._file(shard)).st_size
             raise BadMember(f"truncated shard {self.tars[shard]}: {self._example(shard, row)} ends at byte {end}, the "
-                            f"file has {os.fstat(self._file(shard)).st_size}")
+                            f"file has {size}")
         return data
+
+    def _bytes(self, shard: int, first: int, end: int) -> bytes:
+        """Bytes [first, end) of a shard: a `pread` of a local file (or of a URL's tar kept in data.cache), else one
+        ranged request."""
+        if self._ranged(shard):
+            return storage.read_range(self.tars[shard], first, end)
+        return os.pread(self._file(shard), end - first, first)
+
+    def _ranged(self, shard: int) -> bool:
+        """The shard is read by ranged requests: at a URL, and not kept whole in data.cache."""
+        return self.remote and self.cache is None and not isinstance(self.tars[shard], Path)
+
+    def _held_block(self, shard: int, row: int) -> tuple[int, bytes] | None:
+        """The block of examples that holds `row`, read with one ranged request the first time this process needs it
+        and held (the `_held_capacity` last used); None where its members do not lie together (a GNU tar of a folder
+        keeps each kind apart: read one by one then)."""
+        if os.getpid() != self._pid:
+            self._forked()
+        key = (shard, row // self._block)
+        if key in self._held:
+            self._held.move_to_end(key)
+            return self._held[key][0]
+        index = self._index(shard)[0]
+        rows = np.asarray(index[key[1] * self._block:(key[1] + 1) * self._block])
+        at, size = rows[..., 0], rows[..., 1]
+        first, end = int(at.min()), int((at + size).max())
+        block = None
+        if end - first <= 2 * int(size.sum()) + GAP:
+            block = (first, storage.read_range(self.tars[shard], first, end))
+        # an example read through a wrapper that renumbers examples (a partition's cluster) has no end given: its
+        # block is held while the batch's windows are read
+        self._held[key] = block, self._ends.get(int(self.starts[shard]) + row, max(self._ends.values(), default=0))
+        while self._held_capacity is not None and len(self._held) > self._held_capacity:
+            self._held.popitem(last=False)
+        return block
 
     def _checked(self, shard: int, row: int, column: int, blob: bytes) -> bytes:
         """`blob`, a member's data, if its sha256 is the one written beside the index (a folder of format /1 has
@@ -457,7 +564,7 @@ class ShardSource(Source):
 
     def _changed(self, shard: int, row: int, column: int) -> str:
         return (f"shard {self.tars[shard]} changed since it was written: the {self.manifest['members'][column]} of "
-                f"{self._example(shard, row)} is not the bytes {self.digest_files[shard].name} records; "
+                f"{self._example(shard, row)} is not the bytes {storage.name_of(self.digest_files[shard])} records; "
                 f"{self.remedy}")
 
     def _read(self, shard: int, row: int) -> tuple[np.ndarray, int]:
@@ -494,14 +601,27 @@ class ShardSource(Source):
         """The shard's index and member sha256 file are the ones the manifest lists (streamed through sha256, never
         held whole) and of the shape it gives."""
         entry, members = self.manifest["shards"][shard], len(self.manifest["members"])
-        _check_listed_file(self.index_files[shard], entry["index_sha256"], "shard index", self.remedy)
-        _check_array(self.index_files[shard], (entry["examples"], members, 2), np.int64, "shard index",
+        index = self._mapped(self.index_files[shard], entry["index_sha256"])
+        _check_listed_file(index, entry["index_sha256"], "shard index", self.remedy, self.index_files[shard])
+        _check_array(index, (entry["examples"], members, 2), np.int64, "shard index",
                      f"does not index the {entry['examples']} examples the manifest gives {entry['tar']}")
         if self.checked_per_member:
-            path = self.digest_files[shard]
-            _check_listed_file(path, entry["digests_sha256"], "shard sha256 file", self.remedy)
+            path = self._mapped(self.digest_files[shard], entry["digests_sha256"])
+            _check_listed_file(path, entry["digests_sha256"], "shard sha256 file", self.remedy,
+                               self.digest_files[shard])
             _check_array(path, (entry["examples"], members, 32), np.uint8, "shard sha256 file",
                          f"does not hold a sha256 of each member of the {entry['examples']} examples of {entry['tar']}")
+
+    def _mapped(self, listed, sha256: str) -> Path:
+        """The local file a listed index or sha256 file is mapped from: itself, or for a folder at a URL its copy."""
+        return self._local_copy(listed, sha256) if self.remote else listed
+
+    def _open_cached(self, shard: int) -> int:
+        """A URL's tar, whole, from data.cache (downloaded there first where it is not)."""
+        if self.cache is None:
+            raise DataError(f"shard {self.tars[shard]}: a URL has no descriptor (no data.cache)")
+        entry = self.manifest["shards"][shard]
+        return self.cache.open(self.tars[shard], entry["bytes"], entry.get("sha256"), entry.get("mtime_ns"))
 
     def _index(self, shard: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The shard's index and member sha256 (None for format /1), memory-mapped in this process, checked against
@@ -510,8 +630,11 @@ class ShardSource(Source):
             self._forked()
         if shard not in self._indices:
             self._check_listed(shard)
-            digests = np.load(self.digest_files[shard], mmap_mode="r") if self.checked_per_member else None
-            self._indices[shard] = np.load(self.index_files[shard], mmap_mode="r"), digests
+            entry = self.manifest["shards"][shard]
+            digests = np.load(self._mapped(self.digest_files[shard], entry["digests_sha256"]), mmap_mode="r") \
+                if self.checked_per_member else None
+            self._indices[shard] = np.load(self._mapped(self.index_files[shard], entry["index_sha256"]),
+                                           mmap_mode="r"), digests
             self._check_offsets(shard)
         return self._indices[shard]
 
@@ -523,7 +646,7 @@ class ShardSource(Source):
             if at < 0 or size < 0 or at > tar_bytes or size > tar_bytes - at:
                 raise DataError(f"shard index {self.index_files[shard]}: the {self.manifest['members'][column]} of "
                                 f"{self._example(shard, row)} is {size} bytes at byte {at}, outside the {tar_bytes} "
-                                f"bytes of {self.tars[shard].name}")
+                                f"bytes of {storage.name_of(self.tars[shard])}")
 
     def _check_offsets(self, shard: int) -> None:
         """Every member of the shard lies inside the tar (the whole index, memory-mapped, at once)."""
@@ -539,7 +662,7 @@ class ShardSource(Source):
         for fd in self._files.values():
             os.close(fd)
         self._files.clear()
-        self._indices = {}
+        self._indices, self._held = {}, OrderedDict()
         self._pid = os.getpid()
 
     def _file(self, shard: int) -> int:
@@ -550,7 +673,8 @@ class ShardSource(Source):
             self._files.move_to_end(shard)
         else:
             try:
-                self._files[shard] = os.open(self.tars[shard], os.O_RDONLY)
+                self._files[shard] = os.open(self.tars[shard], os.O_RDONLY) if isinstance(self.tars[shard], Path) \
+                    else self._open_cached(shard)
             except OSError as e:
                 raise DataError(f"shard {self.tars[shard]}: cannot read: {e.strerror or e}") from None
             if len(self._files) > OPEN_FILES:
@@ -596,35 +720,49 @@ class ShardSource(Source):
             self._caption(shard, row, self.manifest["members"].index("txt"))
 
 
-def skipped_examples(source: Source) -> int | None:
-    """How many examples the shard folder under `source` (seen through any wrappers: a partition's cluster, stored
-    conditions, latents) replaced under `data.on_error: skip` in this process and its loader workers; None where
-    nothing is skipped (other data, or `on_error: stop`)."""
+def shard_source_of(source: Source) -> "ShardSource | None":
+    """The shard folder under `source`, seen through any wrappers (a partition's cluster, stored conditions, latents);
+    None for other data."""
     while source is not None:
         if isinstance(source, ShardSource):
-            return source.skipped_examples
+            return source
         source = getattr(source, "source", None)
     return None
 
 
-def _format_of(root: Path) -> str | None:
+def skipped_examples(source: Source) -> int | None:
+    """How many examples the shard folder under `source` replaced under `data.on_error: skip` in this process and its
+    loader workers; None where nothing is skipped (other data, or `on_error: stop`)."""
+    shards = shard_source_of(source)
+    return None if shards is None else shards.skipped_examples
+
+
+def _format_of(root) -> str | None:
     """The `format` a folder's manifest names, None where there is none to read (refused later, by name)."""
     try:
-        m = json.loads(inside(root, MANIFEST, "shard folder").read_text())
+        m = json.loads(storage.read_bytes(_named(root, MANIFEST)))
     except (OSError, UnicodeDecodeError, ValueError, DataError):
         return None
     return m.get("format") if isinstance(m, dict) and isinstance(m.get("format"), str) else None
 
 
-def _check_listed_file(path: Path, sha256: str, what: str, remedy: str) -> None:
-    """The file is the one the manifest lists: streamed through sha256, never held whole."""
+def _named(root, name: str):
+    """A file named by a shard folder's manifest, inside it: no link out of a local folder (`inside`); at a URL, a name
+    without a slash (the manifest's check) under its prefix."""
+    return inside(root, name, "shard folder") if isinstance(root, Path) else storage.join(root, name)
+
+
+def _check_listed_file(path: Path, sha256: str, what: str, remedy: str, shown=None) -> None:
+    """The file is the one the manifest lists: streamed through sha256, never held whole. `shown`: what it is called
+    in a message (a URL's local copy is named by its URL)."""
+    shown = path if shown is None else shown
     try:
         found = file_sha256(path)
     except OSError as e:
-        raise DataError(f"{what} {path}: cannot read: {e.strerror or e}") from None
+        raise DataError(f"{what} {shown}: cannot read: {e.strerror or e}") from None
     if found != sha256:
-        raise DataError(f"{what} {path} is not the one {path.parent / MANIFEST} lists: the manifest is another data "
-                        f"set's, or the files were written over; {remedy}")
+        raise DataError(f"{what} {shown} is not the one {storage.join(storage.parent_of(shown), MANIFEST)} lists: the "
+                        f"manifest is another data set's, or the files were written over; {remedy}")
 
 
 def _check_array(path: Path, shape: tuple, dtype, what: str, why: str) -> None:
@@ -645,6 +783,15 @@ def _check_index(index: Path, entry: dict) -> None:
     if found != entry["index_sha256"]:
         raise DataError(f"shard index {index} is not the one {index.parent / MANIFEST} lists: the manifest is "
                         "another data set's, or the shards were written over; write them again with 'islands shard'")
+
+
+def _check_object_size(tar: str, size: int | None, expected: int) -> None:
+    """A shard at a URL is there at the size the manifest says (its listing's size: no request per shard)."""
+    if size is None:
+        raise DataError(f"shard {tar} is missing (the manifest lists it)")
+    if size != expected:
+        raise DataError(f"shard {tar} changed since it was written: {size} bytes, the manifest says {expected}; write "
+                        "it again with 'islands shard'")
 
 
 def _check_size(tar: Path, index: Path, entry: dict) -> None:
@@ -674,19 +821,20 @@ EXAMPLE_MEMBERS = ("png", "x.npy", "latent.npy", "mean.npy")
 def read_manifest(root: Path) -> dict:
     """The manifest of a shard folder, `islands shard`'s or `islands index`'s (data/tar_index.py), its structure and
     numbers checked; one line on trouble."""
-    if _format_of(Path(root)) is not None:
+    root = storage.location(root)
+    if _format_of(root) is not None:
         from islands.data.tar_index import TARS_FORMAT, read_tars_manifest
 
-        if _format_of(Path(root)) == TARS_FORMAT:
-            return read_tars_manifest(Path(root))
+        if _format_of(root) == TARS_FORMAT:
+            return read_tars_manifest(root)
     return _own_manifest(root)
 
 
 def _own_manifest(root: Path) -> dict:
     """The manifest `islands shard` wrote, its structure and numbers checked and its whole hash recomputed."""
-    if not root.is_dir():
+    if isinstance(root, Path) and not root.is_dir():
         raise DataError(f"shard folder {root} does not exist; write it with 'islands shard CONFIG {root}'")
-    path = inside(root, MANIFEST, "shard folder")
+    path = _named(root, MANIFEST)
     m = _manifest_json(path)
     _check_types(m, path)
     _check_numbers(m, path)
@@ -699,11 +847,16 @@ def _own_manifest(root: Path) -> dict:
     return m
 
 
-def _manifest_json(path: Path):
+def _manifest_json(path):
+    if not isinstance(path, Path) and not storage.exists(path):
+        storage.check_bucket(path, "read")
+        raise DataError(f"shard folder {storage.parent_of(path)} has no {MANIFEST}; write it with 'islands shard'")
     try:
-        return json.loads(path.read_text())
+        return json.loads(storage.read_bytes(path))
     except FileNotFoundError:
         raise DataError(f"shard folder {path.parent} has no {MANIFEST}; write it with 'islands shard'") from None
+    except storage.StorageError:
+        raise
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise DataError(f"shard manifest {path}: cannot read: {e}") from None
 

@@ -36,7 +36,6 @@ import glob
 import hashlib
 import io
 import json
-import os
 import shutil
 import tarfile
 from collections.abc import Callable
@@ -46,6 +45,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from islands.data import storage
 from islands.data.shards import (
     MANIFEST,
     MAX_CLASSES,
@@ -53,14 +53,14 @@ from islands.data.shards import (
     ShardSource,
     _is,
     _manifest_json,
+    _named,
     digests_name,
     index_name,
     refuse_written_over,
 )
 from islands.data.sources import CAPTION, LABEL, X, _check_resolution, fitted
 from islands.errors import DataError
-from islands.rundir import building_folder, finish_building, start_building
-from islands.untrusted import file_sha256, inside
+from islands.untrusted import file_sha256
 
 TARS_FORMAT = "islands-tars/1"
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
@@ -71,11 +71,13 @@ MISSING = -1
 
 # --- which tars -------------------------------------------------------------------------------------------------------
 
-def tars_of(spec: str) -> list[Path]:
+def tars_of(spec: str) -> list:
     """The tars `spec` names, in order: a folder (its `*.tar`, sorted), a glob (sorted) or webdataset's brace notation
     (`data-{000000..000099}.tar`, in its order); each an existing regular file named `*.tar`, as its real absolute
-    path. One line on trouble."""
+    path, or an object at a URL (`s3://bucket/tars/`, a glob or braces there too). One line on trouble."""
     spec = str(spec)
+    if storage.is_url(spec):
+        return _tars_at_url(storage.location(spec))
     if "{" in spec:
         from braceexpand import braceexpand
 
@@ -103,6 +105,30 @@ def tars_of(spec: str) -> list[Path]:
     return tars
 
 
+def _tars_at_url(spec: str) -> list[str]:
+    if "{" in spec:
+        from braceexpand import braceexpand
+
+        names = list(braceexpand(spec))
+    elif any(c in spec.split("://", 1)[1] for c in "*?["):
+        names = storage.glob(spec)
+    elif spec.endswith(".tar"):
+        names = [spec]
+    else:
+        names = [storage.join(spec, n) for n in storage.listdir(spec) if n.endswith(".tar") and not n.startswith(".")]
+    if not names:
+        raise DataError(f"{spec}: no .tar objects there (give a prefix of tars, a glob or data-{{000000..000099}}.tar)")
+    found = storage.sizes(names)
+    for name in names:
+        if not name.endswith(".tar"):
+            raise DataError(f"{name}: not a .tar file (islands index reads webdataset tars)")
+        if name not in found:
+            raise DataError(f"{name}: no such tar ({spec} names it)")
+    if len(set(names)) != len(names):
+        raise DataError(f"{spec}: names the same tar twice")
+    return names
+
+
 # --- indexing ---------------------------------------------------------------------------------------------------------
 
 def index_tars(spec: str, out: Path, caption_key: str | None = None, class_key: str | None = None, rank: int = 0,
@@ -110,12 +136,11 @@ def index_tars(spec: str, out: Path, caption_key: str | None = None, class_key: 
     """Index the tars `spec` names into the folder `out` (absent or empty): rank `rank` of `ranks` the tars
     i = rank mod ranks, rank 0 the manifest, all into a marked `.OUT.partial` renamed to `out` once whole. -> the
     manifest on rank 0, None on the others."""
-    out = Path(out)
+    out = storage.location(out)
     refuse_written_over(out)
     tars = tars_of(spec)
-    barrier()  # every rank has looked at `.OUT.partial` before rank 0 removes the one a killed attempt left
-    partial = start_building(out) if rank == 0 else building_folder(out)
-    barrier()
+    stage = storage.Staging(out, rank, barrier)
+    partial = stage.local
     try:
         mine = range(rank, len(tars), ranks)
         with tqdm(total=len(mine), disable=not progress, unit="tar",
@@ -123,17 +148,21 @@ def index_tars(spec: str, out: Path, caption_key: str | None = None, class_key: 
             records = []
             for i in mine:
                 records.append(_index_tar(tars[i], i, partial, caption_key, class_key))
+                stage.publish(*(f".raw-{i:06d}.{part}.npy" for part in ("idx", "sha256", "cls")))
                 bar.update(1)
         (partial / f".rank-{rank}.json").write_text(json.dumps(records))
+        stage.publish(f".rank-{rank}.json")
         barrier()  # every rank's tars are indexed
         if rank != 0:
             return None
-        manifest = _finish(partial, ranks, spec, caption_key, class_key)
+        manifest = _finish(stage, ranks, spec, caption_key, class_key)
     except BaseException:
-        if ranks == 1:  # nothing written half: the partial folder goes (under torchrun, the next attempt removes it)
-            shutil.rmtree(partial, ignore_errors=True)
+        if ranks == 1 and not stage.remote:  # nothing written half: the partial folder goes (under torchrun, the
+            shutil.rmtree(partial, ignore_errors=True)  # next attempt removes it; at a URL, the next writer)
         raise
-    finish_building(partial, out)
+    finally:
+        stage.close()
+    stage.finish()
     return manifest
 
 
@@ -153,13 +182,15 @@ class _Member:
         self.at, self.size, self.digest, self.value = at, size, digest, value
 
 
-def _index_tar(tar: Path, i: int, folder: Path, caption_key: str | None, class_key: str | None) -> dict:
-    """One tar read front to back: every member that may be an image, a caption or a class hashed and parsed (each
-    image decoded), grouped into examples. Writes its raw index, sha256 and classes into `folder`. -> its record."""
-    stat = tar.stat()
+def _index_tar(tar, i: int, folder: Path, caption_key: str | None, class_key: str | None) -> dict:
+    """One tar read front to back (at a URL, in requests of 8 MB): every member that may be an image, a caption or a
+    class hashed and parsed (each image decoded), grouped into examples. Writes its raw index, sha256 and classes
+    into `folder`. -> its record."""
+    size, mtime_ns = (tar.stat().st_size, tar.stat().st_mtime_ns) if isinstance(tar, Path) else storage.stat(tar)
     groups: dict[str, dict[str, _Member]] = {}
     try:
-        with tarfile.open(tar, mode="r:") as f:
+        with (tarfile.open(tar, mode="r:") if isinstance(tar, Path) else
+              tarfile.open(fileobj=storage.open_read(tar), mode="r:")) as f:
             for info in f:
                 key, ext = _key_and_ext(info.name)
                 kind = KINDS.get(ext) if info.isfile() and key is not None else None
@@ -199,7 +230,7 @@ def _index_tar(tar: Path, i: int, folder: Path, caption_key: str | None, class_k
     np.save(folder / f".raw-{i:06d}.cls.npy", np.asarray(classes, dtype=np.int64), allow_pickle=False)
     w = [s[0] for s in sides] or [0]
     h = [s[1] for s in sides] or [0]
-    return {"i": i, "tar": str(tar), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "examples": len(rows),
+    return {"i": i, "tar": str(tar), "bytes": size, "mtime_ns": mtime_ns, "examples": len(rows),
             "left_out": left_out, "lacking": lacking, "widths": [min(w), max(w)], "heights": [min(h), max(h)]}
 
 
@@ -263,22 +294,22 @@ def _class_member(members: dict, class_key: str | None) -> tuple[_Member | None,
         return None, f"its .json's {class_key!r}: {e}"
 
 
-def _finish(folder: Path, ranks: int, spec: str, caption_key: str | None, class_key: str | None) -> dict:
+def _finish(stage: storage.Staging, ranks: int, spec: str, caption_key: str | None, class_key: str | None) -> dict:
     """Rank 0, once every tar is indexed: the columns the set has (a caption, a class where any example has one, or
     where a key was asked for), the examples lacking them left out, each tar's final index and sha256 file, the
-    manifest. Reads the raw indices, never the tars."""
-    records = sorted((r for rank in range(ranks) for r in json.loads((folder / f".rank-{rank}.json").read_text())),
+    manifest (published last). Reads the raw indices, never the tars."""
+    folder = stage.local
+    records = sorted((r for rank in range(ranks) for r in json.loads(stage.fetch(f".rank-{rank}.json").read_text())),
                      key=lambda r: r["i"])
-    for rank in range(ranks):
-        (folder / f".rank-{rank}.json").unlink()
+    stage.discard(*(f".rank-{rank}.json" for rank in range(ranks)))
     captioned = caption_key is not None or any(r["examples"] > len(r["lacking"]["caption"]) for r in records)
     classed = class_key is not None or any(r["examples"] > len(r["lacking"]["class"]) for r in records)
     members = ["image", *(["txt"] if captioned else []), *(["cls"] if classed else [])]
     columns = [0, *([1] if captioned else []), *([2] if classed else [])]
     shards, left_out, num_classes = [], [], 0
     for r in records:
-        i, raw = r["i"], [folder / f".raw-{r['i']:06d}.{part}.npy" for part in ("idx", "sha256", "cls")]
-        index, digests, classes = (np.load(p, allow_pickle=False) for p in raw)
+        i, raw = r["i"], [f".raw-{r['i']:06d}.{part}.npy" for part in ("idx", "sha256", "cls")]
+        index, digests, classes = (np.load(stage.fetch(p), allow_pickle=False) for p in raw)
         keep = np.ones(len(index), dtype=bool)
         left_out += r["left_out"]
         for what, wanted in (("caption", captioned), ("class", classed)):
@@ -290,13 +321,13 @@ def _finish(folder: Path, ranks: int, spec: str, caption_key: str | None, class_
             num_classes = max(num_classes, int(classes[keep].max()) + 1)
         np.save(folder / index_name(i), np.ascontiguousarray(index[keep][:, columns]), allow_pickle=False)
         np.save(folder / digests_name(i), np.ascontiguousarray(digests[keep][:, columns]), allow_pickle=False)
-        for p in raw:
-            p.unlink()
+        stage.discard(*raw)
         shards.append({"tar": r["tar"], "index": index_name(i), "digests": digests_name(i),
                        "examples": int(keep.sum()), "bytes": r["bytes"], "mtime_ns": r["mtime_ns"],
                        "index_sha256": file_sha256(folder / index_name(i)),
                        "digests_sha256": file_sha256(folder / digests_name(i)),
                        "widths": r["widths"], "heights": r["heights"]})
+        stage.publish(index_name(i), digests_name(i))
     examples = sum(s["examples"] for s in shards)
     if examples == 0:
         first = f" (the first: {left_out[0]['key']} of {left_out[0]['tar']}: {left_out[0]['why']})" if left_out else ""
@@ -311,6 +342,7 @@ def _finish(folder: Path, ranks: int, spec: str, caption_key: str | None, class_
                 "left_out_count": len(left_out), "left_out": left_out, "made_from": {"tars": str(spec)},
                 "shards": shards}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    stage.publish(MANIFEST)
     return manifest
 
 
@@ -324,8 +356,9 @@ class IndexedTars(ShardSource):
 
     remedy = "index the tars again with 'islands index' (or set data.on_error: skip)"
 
-    def __init__(self, path, resolution=None, channels=None, background=None, on_error="stop"):
-        self.root = Path(path)
+    def __init__(self, path, resolution=None, channels=None, background=None, on_error="stop", cache=None,
+                 cache_bytes=None):
+        self.root = storage.location(path)
         self.manifest = m = read_tars_manifest(self.root)
         if resolution is None:
             w, h = m["image_sizes"]["widths"], m["image_sizes"]["heights"]
@@ -341,13 +374,28 @@ class IndexedTars(ShardSource):
         self.holds = frozenset({X} | {field for field, there in ((LABEL, self.num_classes),
                                                                   (CAPTION, "txt" in m["members"])) if there})
         self.caption_key, self.class_key = m["caption_key"], m["class_key"]
-        self.tars = [Path(s["tar"]) for s in m["shards"]]
+        self.tars = [storage.location(s["tar"]) for s in m["shards"]]
         self.index_files = [self._file_named(s["index"]) for s in m["shards"]]
         self.checked_per_member = True
         self.digest_files = [self._file_named(s["digests"]) for s in m["shards"]]
+        self._at(cache, cache_bytes)
         for tar, entry in zip(self.tars, m["shards"], strict=True):
             _check_tar(tar, entry)
         self._ready(on_error)
+
+    def _at(self, cache, cache_bytes) -> None:
+        """Its tars may lie at URLs though the folder is local (and the other way round): each read goes where its tar
+        lies, ranged where that is a URL."""
+        super()._at(cache, cache_bytes)
+        self.remote_tars = [storage.is_url(t) for t in self.tars]
+        if any(self.remote_tars) and not self.remote:
+            self.remote = True
+            self.local_files = None
+            self.hold_blocks(256, 2)
+
+    def _mapped(self, listed, sha256: str):
+        return listed if isinstance(listed, Path) else super()._mapped(listed, sha256)
+
 
     def _example(self, shard: int, row: int) -> str:
         return f"example {int(self.starts[shard]) + row} ({self._member_name(shard, row, 0)})"
@@ -356,7 +404,7 @@ class IndexedTars(ShardSource):
         """A member's name as its tar header gives it (read only to name it in a message)."""
         at = int(self._index(shard)[0][row, column, 0])
         try:
-            header = os.pread(self._file(shard), tarfile.BLOCKSIZE, at - tarfile.BLOCKSIZE)
+            header = self._bytes(shard, at - tarfile.BLOCKSIZE, at)
             return tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape").name
         except Exception:  # a damaged header: the byte offset names it
             return f"the member at byte {at}"
@@ -406,8 +454,16 @@ class IndexedTars(ShardSource):
         return value.strip()
 
 
-def _check_tar(tar: Path, entry: dict) -> None:
-    """A listed tar is there, a regular file, at the size and modification time it was indexed at: a stat, no read."""
+def _check_tar(tar, entry: dict) -> None:
+    """A listed tar is there, a regular file, at the size and modification time it was indexed at: a stat, no read (at
+    a URL, one request: its size and last modification)."""
+    if not isinstance(tar, Path):
+        size, mtime_ns = storage.stat(tar)
+        if (size, mtime_ns) != (entry["bytes"], entry["mtime_ns"]):
+            raise DataError(f"tar {tar} changed since it was indexed ({size} bytes, the index says {entry['bytes']}; "
+                            f"{'the same' if mtime_ns == entry['mtime_ns'] else 'another'} modification time); index "
+                            "the tars again with 'islands index'")
+        return
     try:
         stat = tar.stat()
     except FileNotFoundError:
@@ -433,9 +489,10 @@ TAR_KEYS = {"tar": str, "index": str, "digests": str, "examples": int, "bytes": 
 
 def read_tars_manifest(root: Path) -> dict:
     """The manifest of a folder `islands index` wrote, its structure and numbers checked; one line on trouble."""
-    if not root.is_dir():
+    root = storage.location(root)
+    if isinstance(root, Path) and not root.is_dir():
         raise DataError(f"indexed tars {root} does not exist; write it with 'islands index TARS {root}'")
-    path = inside(root, MANIFEST, "shard folder")
+    path = _named(root, MANIFEST)
     m = _manifest_json(path)
     wrong = [k for k, t in TARS_KEYS.items() if not isinstance(m, dict) or not _is(m.get(k), t)]
     wrong += [k for k in ("caption_key", "class_key") if not wrong and m.get(k) is not None
@@ -456,9 +513,9 @@ def read_tars_manifest(root: Path) -> dict:
     for i, s in enumerate(m["shards"]):
         if s["examples"] < 0 or s["bytes"] < 0:
             raise DataError(f"indexed tars' manifest {path}: shards[{i}] counts below 0")
-        if not Path(s["tar"]).is_absolute() or not s["tar"].endswith(".tar"):
+        if not (storage.is_url(s["tar"]) or Path(s["tar"]).is_absolute()) or not s["tar"].endswith(".tar"):
             raise DataError(f"indexed tars' manifest {path}: shards[{i}].tar {s['tar']!r} is not the absolute path "
-                            "of a .tar")
+                            "or URL of a .tar")
         if any(Path(s[k]).name != s[k] for k in ("index", "digests")):
             raise DataError(f"indexed tars' manifest {path}: index names must be file names inside {root}")
     if sum(s["examples"] for s in m["shards"]) != m["examples"]:
@@ -473,6 +530,6 @@ def verify(path: Path, progress: bool = False) -> tuple[int, list[str]]:
     its sha256 and its image decoded. -> (examples, a line for each bad one)."""
     from islands.data.shards import _format_of
 
-    indexed = _format_of(Path(path)) == TARS_FORMAT
+    indexed = _format_of(storage.location(path)) == TARS_FORMAT
     source = ShardSource(path, resolution=1 if indexed else None)  # the decode is the check, not the size
     return len(source), source.verify(progress)

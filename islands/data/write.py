@@ -4,7 +4,7 @@ writers compose: each makes the members of an example that the one inside it doe
 
 from pathlib import Path
 
-from islands.data import build_data
+from islands.data import build_data, storage
 from islands.data.captions import CaptionWriter
 from islands.data.encode import LatentWriter
 from islands.data.shards import ExampleWriter, refuse_written_over, write_shards
@@ -13,12 +13,14 @@ from islands.nets.text_folder import open_text_encoder
 from islands.nets.vae_folder import load_autoencoder
 
 
-def write_data(cfg, out: Path, shard_size: int = 4096, autoencoder: str | None = None,
+def write_data(cfg, out: Path | str, shard_size: int = 4096, autoencoder: str | None = None,
                text_encoder: str | None = None, text_tokens: int = 32, batch_size: int = 64, rank: int = 0,
                ranks: int = 1, barrier=lambda: None, device="cpu", progress: bool = True) -> dict | None:
     """Shards of `cfg`'s data in `out` (absent or empty); under several ranks each writes its own shards and rank 0
-    the manifest, which it returns (None on the others). A bad input stops before any shard is written."""
-    out = Path(out)
+    the manifest, which it returns (None on the others). A bad input stops before any shard is written. `out` may be
+    a URL (storage.py: s3://bucket/prefix/ and the like): each shard is put there as it is finished, the manifest
+    last."""
+    out = storage.location(out)
     refuse_written_over(out)
     source = build_data(cfg.data, cfg.seed, check=True)
     writer = None
