@@ -37,10 +37,12 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm import tqdm
 
 from islands.data import storage
@@ -228,6 +230,7 @@ def write_manifest(folder: Path, shards: list[dict], source: Source, shard_size:
     manifest = {"format": FORMAT, "examples": len(source), **writer.manifest, "num_classes": source.num_classes,
                 "members": [*writer.members, *labelling_members(source)],
                 "shard_size": shard_size, "sha256": whole_sha256(shards), "made_from": made_from, "shards": shards}
+    ShardManifest.read(manifest, folder / MANIFEST)  # what a reader will hold it to
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -809,13 +812,81 @@ def _check_size(tar: Path, index: Path, entry: dict) -> None:
                         f"manifest says {entry['bytes']}")
 
 
-# --- the manifest, read as untrusted ---------------------------------------------------------------------------------
+# --- the manifest, read as untrusted: a typed record ----------------------------------------------------------------
 
-MANIFEST_KEYS = {"format": str, "examples": int, "shape": list, "num_classes": int, "flip": bool, "x": str,
-                 "members": list, "shard_size": int, "sha256": str, "shards": list}
-SHARD_KEYS = {"tar": str, "index": str, "examples": int, "bytes": int, "sha256": str, "index_sha256": str}
-MEMBER_SHA256_KEYS = {"digests": str, "digests_sha256": str}  # format /2's, beside SHARD_KEYS
 EXAMPLE_MEMBERS = ("png", "x.npy", "latent.npy", "mean.npy")
+Count = Annotated[int, Field(ge=0)]
+Size = Annotated[int, Field(ge=1)]
+
+
+class ManifestRecord(BaseModel):
+    """A manifest read from a folder that may come from elsewhere: strict JSON types (a `true` is no count), no key
+    it does not know, and `read` turns the first thing wrong into one line naming the file and the key."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @classmethod
+    def read(cls, raw, path, what: str = "shard manifest") -> "ManifestRecord":
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as err:
+            first = err.errors()[0]
+            key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".")
+            raise DataError(f"{what} {path}: {key or 'its content'}: {first['msg']}") from None
+
+
+class ShardEntry(ManifestRecord):
+    """One shard of `islands shard`: its tar, index and member sha256 file (format /2), their sizes and sha256."""
+
+    tar: str
+    index: str
+    examples: Count
+    bytes: Count
+    sha256: str
+    index_sha256: str
+    digests: str | None = None  # format /2's
+    digests_sha256: str | None = None
+
+
+class CaptionEmbeddings(BaseModel):
+    """`islands encode --text-encoder`: what encoded the captions, and each embedding's shape."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    shape: Annotated[list[Size], Field(min_length=2, max_length=2)]
+
+
+class ShardManifest(ManifestRecord):
+    """OUT/manifest.json of `islands shard` and `islands encode`. Its version is `format`: islands-shards/2 (each
+    member's sha256 beside its index) or /1 (read still, its tars hashed whole at every start)."""
+
+    format: Literal["islands-shards/2", "islands-shards/1"]
+    examples: Count
+    shape: Annotated[list[Size], Field(min_length=1, max_length=4)]
+    num_classes: Annotated[int, Field(ge=0, le=MAX_CLASSES)]
+    flip: bool
+    x: Literal[EXAMPLE_MEMBERS]
+    members: list[str]
+    shard_size: Size
+    sha256: str
+    made_from: dict | None = None
+    latents: dict | None = None  # islands encode's: the autoencoder and its scale (data/latents.py reads it)
+    caption_embeddings: CaptionEmbeddings | None = None
+    shards: list[ShardEntry]
+
+    @model_validator(mode="after")
+    def _sizes(self):
+        """Counts the reader allocates or seeks by: an example no larger than a GiB, no shard above shard_size, and
+        format /2's member sha256 file named for every shard."""
+        for name, shape in (("shape", self.shape), ("caption_embeddings.shape",
+                                                    self.caption_embeddings and self.caption_embeddings.shape)):
+            if shape and math.prod(shape) > MAX_EXAMPLE_NUMBERS:
+                raise ValueError(f"{name} {shape} is not an example's shape (at most {MAX_EXAMPLE_NUMBERS:,} numbers)")
+        for i, s in enumerate(self.shards):
+            if s.examples > self.shard_size:
+                raise ValueError(f"shards[{i}].examples {s.examples} is outside 0..{self.shard_size} (shard_size)")
+            if self.format == FORMAT and (s.digests is None or s.digests_sha256 is None):
+                raise ValueError(f"shards[{i}]: format {FORMAT} names each shard's digests and digests_sha256")
+        return self
 
 
 def read_manifest(root: Path) -> dict:
@@ -831,13 +902,16 @@ def read_manifest(root: Path) -> dict:
 
 
 def _own_manifest(root: Path) -> dict:
-    """The manifest `islands shard` wrote, its structure and numbers checked and its whole hash recomputed."""
+    """The manifest `islands shard` wrote (a `ShardManifest`, as the JSON it came as), its structure and numbers
+    checked and its whole hash recomputed."""
     if isinstance(root, Path) and not root.is_dir():
         raise DataError(f"shard folder {root} does not exist; write it with 'islands shard CONFIG {root}'")
     path = _named(root, MANIFEST)
     m = _manifest_json(path)
-    _check_types(m, path)
-    _check_numbers(m, path)
+    if isinstance(m, dict) and isinstance(m.get("format"), str) and m["format"] not in (FORMAT, UNCHECKED_FORMAT):
+        raise DataError(f"shard manifest {path}: format {m['format']!r}, this Islands reads {FORMAT!r} (and "
+                        f"{UNCHECKED_FORMAT!r})")
+    ShardManifest.read(m, path)
     _check_members(m, path)
     if whole_sha256(m["shards"]) != m["sha256"] or sum(s["examples"] for s in m["shards"]) != m["examples"]:
         raise DataError(f"shard manifest {path}: its shards do not add up to its sha256 and count (edited by hand?)")
@@ -863,44 +937,6 @@ def _manifest_json(path):
 
 def _is(value, kind: type) -> bool:
     return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))  # JSON's true is no count
-
-
-def _check_types(m, path: Path) -> None:
-    wrong = [k for k, t in MANIFEST_KEYS.items() if not isinstance(m, dict) or not _is(m.get(k), t)]
-    if not wrong and m["format"] not in (FORMAT, UNCHECKED_FORMAT):
-        raise DataError(f"shard manifest {path}: format {m['format']!r}, this Islands reads {FORMAT!r} (and "
-                        f"{UNCHECKED_FORMAT!r})")
-    shard_keys = SHARD_KEYS if wrong or m["format"] == UNCHECKED_FORMAT else {**SHARD_KEYS, **MEMBER_SHA256_KEYS}
-    wrong += [f"shards[{i}].{k}" for i, s in enumerate(m["shards"] if not wrong else [])
-              for k, t in shard_keys.items() if not isinstance(s, dict) or not _is(s.get(k), t)]
-    if wrong:
-        raise DataError(f"shard manifest {path}: missing or mistyped {', '.join(wrong)}")
-
-
-def _check_numbers(m: dict, path: Path) -> None:
-    """Counts and sizes that the reader allocates or seeks by: non-negative, and an example no larger than a GiB."""
-    shape = m["shape"]
-    if not (1 <= len(shape) <= 4 and all(_is(n, int) and n >= 1 for n in shape)
-            and math.prod(shape) <= MAX_EXAMPLE_NUMBERS):
-        raise DataError(f"shard manifest {path}: shape {shape} is not an example's shape (1 to 4 positive sizes, "
-                        f"at most {MAX_EXAMPLE_NUMBERS:,} numbers)")
-    _within(m["examples"], 0, None, "examples", path)
-    _within(m["num_classes"], 0, MAX_CLASSES, "num_classes", path)
-    _within(m["shard_size"], 1, None, "shard_size", path)
-    for i, s in enumerate(m["shards"]):
-        _within(s["examples"], 0, m["shard_size"], f"shards[{i}].examples", path)
-        _within(s["bytes"], 0, None, f"shards[{i}].bytes", path)
-    captions = m.get("caption_embeddings")
-    if captions is not None and not (isinstance(captions, dict) and isinstance(captions.get("shape"), list)
-                                     and len(captions["shape"]) == 2
-                                     and all(_is(n, int) and n >= 1 for n in captions["shape"])
-                                     and math.prod(captions["shape"]) <= MAX_EXAMPLE_NUMBERS):
-        raise DataError(f"shard manifest {path}: caption_embeddings.shape is not a caption's (two positive sizes)")
-
-
-def _within(value: int, low: int, high: int | None, key: str, path: Path) -> None:
-    if value < low or (high is not None and value > high):
-        raise DataError(f"shard manifest {path}: {key} {value} is outside {low}..{'' if high is None else high}")
 
 
 def _check_members(m: dict, path: Path) -> None:

@@ -40,9 +40,11 @@ import shutil
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated, Literal
 
 import numpy as np
 from PIL import Image
+from pydantic import Field, field_validator, model_validator
 from tqdm import tqdm
 
 from islands.data import storage
@@ -50,6 +52,8 @@ from islands.data.shards import (
     MANIFEST,
     MAX_CLASSES,
     BadMember,
+    Count,
+    ManifestRecord,
     ShardSource,
     _is,
     _manifest_json,
@@ -341,6 +345,7 @@ def _finish(stage: storage.Staging, ranks: int, spec: str, caption_key: str | No
                                 "heights": [min(s["heights"][0] for s in kept), max(s["heights"][1] for s in kept)]},
                 "left_out_count": len(left_out), "left_out": left_out, "made_from": {"tars": str(spec)},
                 "shards": shards}
+    TarsManifest.read(manifest, folder / MANIFEST, "indexed tars' manifest")  # what a reader will hold it to
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
     stage.publish(MANIFEST)
     return manifest
@@ -481,45 +486,73 @@ def _check_tar(tar, entry: dict) -> None:
 
 # --- the manifest, read as untrusted ----------------------------------------------------------------------------------
 
-TARS_KEYS = {"format": str, "examples": int, "x": str, "members": list, "num_classes": int, "flip": bool,
-             "image_sizes": dict, "left_out_count": int, "shards": list}
-TAR_KEYS = {"tar": str, "index": str, "digests": str, "examples": int, "bytes": int, "mtime_ns": int,
-            "index_sha256": str, "digests_sha256": str}
+class TarEntry(ManifestRecord):
+    """One tar `islands index` read: where it lies (an absolute path or a URL), its size and modification time then,
+    its index and member sha256 files in the folder, and its images' stored sizes."""
+
+    tar: str
+    index: str
+    digests: str
+    examples: Count
+    bytes: Count
+    mtime_ns: int
+    index_sha256: str
+    digests_sha256: str
+    widths: Annotated[list[int], Field(min_length=2, max_length=2)]
+    heights: Annotated[list[int], Field(min_length=2, max_length=2)]
+
+
+class ImageSizes(ManifestRecord):
+    widths: Annotated[list[int], Field(min_length=2, max_length=2)]
+    heights: Annotated[list[int], Field(min_length=2, max_length=2)]
+
+
+class TarsManifest(ManifestRecord):
+    """OUT/manifest.json of `islands index`; its version is `format` (islands-tars/1)."""
+
+    format: Literal["islands-tars/1"]
+    examples: Count
+    x: Literal["image"]
+    members: Literal[("image",), ("image", "txt"), ("image", "cls"), ("image", "txt", "cls")]
+    num_classes: Annotated[int, Field(ge=0, le=MAX_CLASSES)]
+    flip: bool
+    caption_key: str | None = None
+    class_key: str | None = None
+    image_sizes: ImageSizes
+    left_out_count: Count
+    left_out: list[dict] = []
+    made_from: dict | None = None
+    shards: list[TarEntry]
+
+    @field_validator("members", mode="before")
+    @classmethod
+    def _as_tuple(cls, members):
+        return tuple(members) if isinstance(members, list) else members
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if ("cls" in self.members) != (self.num_classes > 0):
+            raise ValueError(f"{self.num_classes} classes, but 'cls' is {'' if 'cls' in self.members else 'not '}"
+                             "a member")
+        for i, s in enumerate(self.shards):
+            if not (storage.is_url(s.tar) or Path(s.tar).is_absolute()) or not s.tar.endswith(".tar"):
+                raise ValueError(f"shards[{i}].tar {s.tar!r} is not the absolute path or URL of a .tar")
+            if any(Path(name).name != name for name in (s.index, s.digests)):
+                raise ValueError(f"shards[{i}]: index names must be file names inside the folder")
+        if sum(s.examples for s in self.shards) != self.examples:
+            raise ValueError("its tars do not add up to its count (edited by hand?)")
+        return self
 
 
 def read_tars_manifest(root: Path) -> dict:
-    """The manifest of a folder `islands index` wrote, its structure and numbers checked; one line on trouble."""
+    """The manifest of a folder `islands index` wrote (a `TarsManifest`, as the JSON it came as), its structure and
+    numbers checked; one line on trouble."""
     root = storage.location(root)
     if isinstance(root, Path) and not root.is_dir():
         raise DataError(f"indexed tars {root} does not exist; write it with 'islands index TARS {root}'")
     path = _named(root, MANIFEST)
     m = _manifest_json(path)
-    wrong = [k for k, t in TARS_KEYS.items() if not isinstance(m, dict) or not _is(m.get(k), t)]
-    wrong += [k for k in ("caption_key", "class_key") if not wrong and m.get(k) is not None
-              and not isinstance(m[k], str)]
-    wrong += [f"shards[{i}].{k}" for i, s in enumerate(m["shards"] if not wrong else [])
-              for k, t in TAR_KEYS.items() if not isinstance(s, dict) or not _is(s.get(k), t)]
-    if wrong:
-        raise DataError(f"indexed tars' manifest {path}: missing or mistyped {', '.join(wrong)}")
-    sizes = m["image_sizes"]
-    members = m["members"]
-    if m["format"] != TARS_FORMAT or m["x"] != "image" or members not in (
-            ["image"], ["image", "txt"], ["image", "cls"], ["image", "txt", "cls"]) \
-            or ("cls" in members) != (m["num_classes"] > 0) or not 0 <= m["num_classes"] <= MAX_CLASSES \
-            or not all(isinstance(sizes.get(k), list) and len(sizes[k]) == 2 and all(_is(n, int) for n in sizes[k])
-                       for k in ("widths", "heights")):
-        raise DataError(f"indexed tars' manifest {path}: its format, members, classes or image sizes are not the ones "
-                        "'islands index' writes")
-    for i, s in enumerate(m["shards"]):
-        if s["examples"] < 0 or s["bytes"] < 0:
-            raise DataError(f"indexed tars' manifest {path}: shards[{i}] counts below 0")
-        if not (storage.is_url(s["tar"]) or Path(s["tar"]).is_absolute()) or not s["tar"].endswith(".tar"):
-            raise DataError(f"indexed tars' manifest {path}: shards[{i}].tar {s['tar']!r} is not the absolute path "
-                            "or URL of a .tar")
-        if any(Path(s[k]).name != s[k] for k in ("index", "digests")):
-            raise DataError(f"indexed tars' manifest {path}: index names must be file names inside {root}")
-    if sum(s["examples"] for s in m["shards"]) != m["examples"]:
-        raise DataError(f"indexed tars' manifest {path}: its tars do not add up to its count (edited by hand?)")
+    TarsManifest.read(m, path, "indexed tars' manifest")
     return m
 
 
