@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean datasets
+.PHONY: demo test bench clean datasets slurm
 
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
 
@@ -32,6 +32,12 @@ datasets:
 	@command -v chromium >/dev/null || { $(call APT_GET,chromium); } || \
 	  echo "note: chromium is missing (apt-get install chromium); the report's browser test is skipped"
 
+# A real one-host Slurm for tests/test_slurm.py (which configures and starts it in a temporary folder): Debian's
+# slurm-wlm and munge, installed where we may (root, as in CI); without them those tests are skipped.
+slurm:
+	@{ command -v slurmd >/dev/null && command -v munged >/dev/null; } || { $(call APT_GET,slurm-wlm munge); } || \
+	  echo "note: Slurm is missing (apt-get install slurm-wlm munge); the tests under a real Slurm are skipped"
+
 # The main job: a Decentralized Diffusion Model on MNIST 5k (4 experts, a router) beside a monolith trained with
 # the same compute, then their metrics and the ensemble's report page; about 8 minutes on 2 cores (configs/mnist5k_ddm.yaml).
 demo: $(STAMP) datasets
@@ -42,7 +48,7 @@ demo: $(STAMP) datasets
 
 # Two xdist workers: most multi-process tests wait on process starts and timeouts, which the other worker fills;
 # the timed tests (marked serial) then run alone.
-test: $(STAMP) datasets
+test: $(STAMP) datasets slurm
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
 
