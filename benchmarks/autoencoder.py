@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import THREADS, cpu_seconds, median, others_share, save, setup, table
+from islands.conditions import network_spec
 from islands.config import load_config
 from islands.data import build_data, streams
 from islands.nets import build_network
@@ -83,7 +84,7 @@ def untrained_error(cfg) -> dict:
     """The reconstruction error of the run's initial weights (seeded as the trainer seeds them) on its probe."""
     torch.manual_seed(cfg.seed)
     source = build_data(cfg.data, cfg.seed)
-    net = build_network(cfg.model, tuple(source.shape), 0).eval()
+    net = build_network(network_spec(cfg.model, tuple(source.shape), 0)).eval()
     order = torch.randperm(len(source), generator=streams.generator(cfg.seed, 0, "validation"))  # fixed_probe's
     x = source.get(order[:256].tolist())[0]
     error = net.vae.decode(net.vae.encode(x).latent_dist.mean).sample.clamp(-1, 1) - x

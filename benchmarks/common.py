@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from islands.conditions import network_spec
 from islands.config import validate
 from islands.data.sources import Mnist5k
 from islands.ddm.pipeline import build_ensemble, monolith_images
@@ -142,7 +143,7 @@ def mnist() -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_net(model: dict) -> torch.nn.Module:
     torch.manual_seed(SEED)  # the same initial weights as an Islands run with this seed
-    return build_network(validate({"run_dir": ".", "model": model}).model, (1, 28, 28), 10)
+    return build_network(network_spec(validate({"run_dir": ".", "model": model}).model, (1, 28, 28), 10))
 
 
 def autocast(precision: str):

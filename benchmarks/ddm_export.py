@@ -80,7 +80,7 @@ def run() -> dict:
     # fp32 on both sides: the experts trained in bf16 autocast, which `islands sample` would otherwise sample in
     opts = {"steps": STEPS, "solver": "euler", "guidance": GUIDANCE, "precision": "fp32"}
     sampler = open_sampler(root, opts, routing="ancestral")
-    labels = sampler.labels(NUM)
+    labels = sampler.conditions(NUM)
     noise = streams.normal(cfg.seed, list(range(NUM)), sampler.shape, "sample")
     clusters = ancestral_clusters(sampler.manifest, cfg.seed, 0, NUM, labels)
     pipe = shipped_pipeline(out)

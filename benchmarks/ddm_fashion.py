@@ -34,6 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.common import FIGURES, UNET, ensembles_at_equal_flops, measure, save, setup, table
 from benchmarks.common import cached as cached_in
+from islands.conditions import network_spec
 from islands.config import validate
 from islands.data import build_data
 from islands.ddm.ensemble import read_manifest
@@ -89,7 +90,7 @@ def forward_flops(model: dict) -> float:
     """FLOPs of one network evaluation of one image (shapes only, on the meta device)."""
     cfg = validate({"run_dir": ".", "model": model}).model
     with torch.device("meta"):
-        net = build_network(cfg, SHAPE, 10)
+        net = build_network(network_spec(cfg, SHAPE, 10))
         x, t, y = torch.zeros(1, *SHAPE), torch.zeros(1), torch.zeros(1, dtype=torch.long)
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         net(x, t, y)

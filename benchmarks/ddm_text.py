@@ -39,6 +39,7 @@ from benchmarks.common import (
     setup,
     table,
 )
+from islands.conditions import SampleRequest
 from islands.ddm.pipeline import ensemble_training_flops, training_flops, whole_data
 from islands.ddm.sampling import open_sampler
 from islands.eval.evaluate import Evaluator, evaluate_sampler, generated
@@ -110,7 +111,7 @@ def quiet_seconds(key: str, sampler) -> float:
     `measure` waits for it and measures again if others took more than a tenth of the CPUs)."""
     def timing():
         since = time.perf_counter()
-        for _ in generated(sampler, TIMED, seed=0, prompts=PROMPTS[:TIMED]):
+        for _ in generated(sampler, TIMED, seed=0, request=SampleRequest(prompts=tuple(PROMPTS[:TIMED]))):
             pass
         return (time.perf_counter() - since) / TIMED
     return cached(WORK / "evaluations.json", f"{key} timed={TIMED} scoring={SCORING}", lambda: measure(key, timing)[0])
@@ -131,7 +132,7 @@ def grids(cfg, mono_dir: Path, evaluator: Evaluator) -> Path:
     samplers = {"monolith": open_run(mono_dir, options())}
     samplers.update({f"K = {K}, {r}": open_sampler(Path(cfg.run_dir), options(), routing=r, seed=0) for r in ROUTINGS})
     for name, sampler in samplers.items():
-        x = next(generated(sampler, 16, seed=0, prompts=prompts))[0]
+        x = next(generated(sampler, 16, seed=0, request=SampleRequest(prompts=tuple(prompts))))[0]
         pictures[name] = save_samples_picture(x, WORK / f"{name.replace(' ', '').replace(',', '-')}.png",
                                               captions=prompts)
     return save_side_by_side(pictures, FIGURES / "ddm_text.png", "the same held-out prompts and noise; guidance "

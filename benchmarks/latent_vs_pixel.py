@@ -38,6 +38,7 @@ import yaml
 
 from benchmarks.common import UNET, cached, cpu_seconds, median, others_share, save, setup, table
 from islands.cli import main as islands
+from islands.conditions import network_spec
 from islands.config import load_config, validate
 from islands.data import build_data, judged_on
 from islands.eval.evaluate import Evaluator, generated
@@ -140,7 +141,7 @@ def network(raw: dict, shape: tuple) -> dict:
     """The diffusion network's parameters and training GFLOP per image (the encoder's not counted), as the run's
     flops.json counts them."""
     cfg = validate(raw)
-    return {"parameters": sum(p.numel() for p in build_network(cfg.model, shape, 10).parameters()),
+    return {"parameters": sum(p.numel() for p in build_network(network_spec(cfg.model, shape, 10)).parameters()),
             "network_gflop_per_image": flops_per_image(cfg.model, shape, 10, build_objective(cfg, 10), BATCH) / 1e9}
 
 

@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from benchmarks.common import measure, save, table
+from islands.conditions import network_spec
 from islands.parallel.launch import free_port
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
@@ -64,7 +65,7 @@ def memory_worker(strategy_name: str, out: str) -> None:
     world = init_world(TIMEOUT_S)
     strategy = build_strategy(validate({"run_dir": ".", "parallel": {"strategy": strategy_name}}), world)
     torch.manual_seed(0)
-    net = build_network(validate({"run_dir": ".", "model": MEMORY_MODEL}).model, SHAPE, 1000)
+    net = build_network(network_spec(validate({"run_dir": ".", "model": MEMORY_MODEL}).model, SHAPE, 1000))
     model = strategy.wrap(net)
     opt = strategy.optimizer(net, lr=1e-4, betas=(0.9, 0.999), weight_decay=0.0)
     path = build_path("rectified_flow")

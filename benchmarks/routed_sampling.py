@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.common import UNET, measure, median, save, setup, table
+from islands.conditions import network_spec
 from islands.config import validate
 from islands.ddm.ensemble import LearnedRouter
 from islands.ddm.mixture import ExpertSlot, Mixture
@@ -58,8 +59,8 @@ class Clock:
 
 def denoiser(weights: dict | None = None) -> NetworkDenoiser:
     model = validate({"run_dir": ".", "model": dict(UNET)}).model
-    net = build_network(model, SHAPE, CLASSES) if weights is None else \
-        network_with_weights(model, SHAPE, CLASSES, weights)
+    net = build_network(network_spec(model, SHAPE, CLASSES)) if weights is None else \
+        network_with_weights(network_spec(model, SHAPE, CLASSES), weights)
     return NetworkDenoiser(net.eval(), build_path("rectified_flow"), "velocity")
 
 
@@ -74,7 +75,7 @@ def loader(path: Path, clock: Clock):
 def router(k: int, hidden: int, depth: int) -> LearnedRouter:
     model = validate({"run_dir": ".", "model": {"arch": "router", "num_classes": CLASSES, "outputs": k,
                                                 "hidden_size": hidden, "depth": depth, "patch_size": 4}}).model
-    return LearnedRouter(build_network(model, SHAPE, CLASSES).eval())
+    return LearnedRouter(build_network(network_spec(model, SHAPE, CLASSES)).eval())
 
 
 def run() -> dict:

@@ -35,12 +35,13 @@ from diffusers import (
 from torchdiffeq import odeint
 
 from benchmarks.common import FIGURES, UNET, save, setup, table
+from islands.conditions.classes import class_labels
 from islands.config import SampleConfig, validate
 from islands.data import build_data, streams
 from islands.data.gmm import GaussianMixture
 from islands.eval.evaluate import Evaluator
 from islands.flow.samplers import GRIDS, SOLVERS, evaluations_per_sample, sample
-from islands.generate import generate, load_denoiser, sample_labels, sampling_precision
+from islands.generate import generate, load_denoiser, sampling_precision
 from islands.trainer import train
 
 BUDGETS = (4, 6, 8, 10, 16, 32)  # the targets are read at 4, 8, 16 and 32
@@ -191,7 +192,7 @@ def fashion(work: Path = WORK, images: int = FASHION_IMAGES, num: int = FASHION_
     print(f"  U-Net on Fashion-MNIST: {images} training images ({time.perf_counter() - start:.0f} s)", flush=True)
     denoiser, cfg, info = load_denoiser(Path(cfg.run_dir))
     shape, classes = tuple(info["shape"]), info["num_classes"]
-    labels = sample_labels(num, classes)
+    labels = class_labels(num, classes)
     noise = streams.normal(cfg.seed, list(range(num)), shape, "sample")  # the noise `generate` draws, for diffusers
     evaluator = Evaluator(build_data(cfg.data, cfg.seed), cfg.eval, cfg.seed)
     done_path = work / "fd.json"

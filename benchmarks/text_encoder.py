@@ -15,6 +15,7 @@ import time
 import torch
 
 from benchmarks.common import THREADS, autocast, cpu_seconds, median, others_share, save, setup, table
+from islands.conditions import network_spec
 from islands.config import validate
 from islands.data import build_data
 from islands.data.batch import Batch
@@ -48,7 +49,7 @@ def run() -> dict:
             encode_captions(encoder, chunk, TOKENS)
         throughput[batch] = 3 * batch / (time.perf_counter() - start)
 
-    net = build_network(cfg.model, tuple(source.shape), 0).train()
+    net = build_network(network_spec(cfg.model, tuple(source.shape), 0)).train()
     objective = build_objective(cfg)
     objective.prepare(net)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.0)

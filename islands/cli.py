@@ -3,7 +3,9 @@
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import time
 import typing
 import warnings
 from pathlib import Path
@@ -17,7 +19,23 @@ EPILOG_TRAIN = """examples:
 Rerunning the same command resumes from the last complete checkpoint."""
 
 
+class EarlySignals:
+    """Installed before the trainer's imports (seconds of them): a preemption signal (Slurm's SIGUSR1, a spot
+    instance's SIGTERM) that comes while a rank starts up is remembered, for the trainer's `Preemption` to take over
+    (islands/trainer/preemption.py), instead of killing a rank that has written nothing yet."""
+
+    def __init__(self):
+        self.received: tuple[int, float] | None = None
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self)
+
+    def __call__(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = (signum, time.monotonic())
+
+
 def _train(args) -> int:
+    EarlySignals()
     from islands.ddm.runs import config_for_roles, split_roles
     from islands.rundir import run_summary
     from islands.trainer import train
@@ -38,14 +56,16 @@ def _speaks() -> bool:
 def _sample(args) -> int:
     import torch
 
+    from islands.conditions import SampleRequest
     from islands.ddm.sampling import sample_to_folder
 
     if args.threads:
         torch.set_num_threads(args.threads)
     options = {"steps": args.steps, "solver": args.solver, "grid": args.grid, "guidance": args.guidance,
                "batch_size": args.batch_size, "precision": args.precision}
-    for line in sample_to_folder(Path(args.run_dir), Path(args.out), args.num, options, _prompts(args),
-                                 args.class_label, args.seed, args.routing, args.max_loaded, not args.no_ema,
+    request = SampleRequest(class_label=args.class_label, prompts=tuple(_prompts(args)))
+    for line in sample_to_folder(Path(args.run_dir), Path(args.out), args.num, options, request,
+                                 args.seed, args.routing, args.max_loaded, not args.no_ema,
                                  args.distributed, progress=not args.quiet):
         print(line)
     return 0

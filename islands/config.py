@@ -54,6 +54,10 @@ class _Data(Section):
     window: int = Field(8, ge=1)
 
 
+# the keys every data variant has; the others are its source's own (islands/data/registry.py builds it from them)
+COMMON_DATA_KEYS = frozenset(_Data.model_fields)
+
+
 class Mnist5kData(_Data):
     source: Literal["mnist5k"] = "mnist5k"
     resolution: int | None = Field(None, gt=0)
@@ -656,35 +660,25 @@ class Config(Section):
             self.flow.time_sampler = "uniform" if self.model.arch == "mlp" else "logit_normal"
         if self.sample.time_shift is None:  # samples move their times as the training times were moved
             self.sample.time_shift = self.flow.time_shift
-        self._condition()
+        kind = self._condition()
         if self.model.arch == "diffusers" and getattr(self.flow, "train_steps", 1000) != 1000:
             raise ValueError(f"flow.train_steps: a diffusers network takes DDPM's timesteps 0-999 (1000 tau); "
                              f"{self.flow.train_steps} steps would feed it other ones")
         if self.ddm.partition.features is None:
-            self.ddm.partition.features = "text" if self.model.condition == "text" else "pixels"
+            self.ddm.partition.features = kind.partition_features
         return self
 
-    def _condition(self) -> None:
-        """model.condition resolved, and a text network's widths read from its encoder's config."""
+    def _condition(self):
+        """model.condition resolved, and its kind: checked by it (islands/conditions/), which also fills in what its
+        network needs from the data's folders (a text encoder's widths)."""
+        from islands.conditions import KINDS  # the kinds' rules are theirs; they read this module's sections
+
         model = self.model
         if model.condition is None:
             model.condition = ("class" if model.num_classes else
                                "text" if reads_text(model) and captioned(self.data) else "none")
-        if (model.condition == "class") != (model.num_classes > 0):
-            raise ValueError(f"model.condition: {model.condition!r} with model.num_classes={model.num_classes} "
-                             "(a class needs num_classes > 0, and only a class does)")
-        if model.arch == "diffusers" and (model.condition == "text") != (model.class_name in DIFFUSERS_TEXT):
-            raise ValueError(f"model.condition: {model.condition!r} for a {model.class_name}; of the diffusers "
-                             f"classes, {', '.join(DIFFUSERS_TEXT)} read a caption (condition text), the others do not")
-        if model.condition != "text":
-            return
-        if not reads_text(model):
-            raise ValueError(f"model.condition: text is read by {', '.join(TEXT_ARCHS)} networks, not "
-                             f"{model.arch!r}")
-        if model.text_width is None or model.text_pooled_width is None:
-            from islands.nets.text_folder import text_widths  # transformers' configs, no weights
-
-            model.text_width, model.text_pooled_width = text_widths(self.data.text_encoder)
+        KINDS[model.condition].check(self)
+        return KINDS[model.condition]
 
     @model_validator(mode="after")
     def _autoencoder(self):

@@ -27,13 +27,12 @@ import yaml
 from safetensors.torch import save_file
 
 from islands import __version__, nets
-from islands.data.captions import recorded_text_encoder
+from islands.conditions import condition_kind, network_spec
 from islands.errors import CheckpointError, ConfigError
 from islands.generate import load_denoiser
-from islands.nets import OWN_NETWORK_ARGUMENTS
+from islands.nets import OWN_NETWORK_ARGUMENTS, NetworkSpec
 from islands.nets.diffusers_net import NULL_CAPTION
 from islands.nets.diffusers_wrapper import PACKAGE, SHIPPED
-from islands.nets.text_folder import text_pooling
 from islands.rundir import CONFIG, describe_run, latest_checkpoint, weights_file
 from islands.untrusted import file_sha256
 
@@ -93,17 +92,6 @@ def null_caption(net) -> dict[str, torch.Tensor]:
     return {name: caption[name].contiguous() for name in net.caption_arguments}
 
 
-def text_record(cfg, run_dir: Path, arguments, null_caption: str | None = NULL_CAPTION) -> dict:
-    """How a caption reaches a text network: the encoder that made the run's captions (its name and weights' sha256),
-    the tokenizer's arguments (every caption `model.text_tokens` tokens, cut or padded: its token states are the
-    encoder's last hidden state, every row, pads included; its mask the tokenizer's attention mask), how the pooled
-    vector is made, the forward's arguments the class reads, and the file of the null caption (None: the network
-    holds it, and reads it where it is given no caption)."""
-    return {"text_encoder": cfg.data.text_encoder, "sha256": recorded_text_encoder(run_dir),
-            "tokenizer": {"padding": "max_length", "truncation": True, "max_length": cfg.model.text_tokens},
-            **text_pooling(cfg.data.text_encoder), "arguments": list(arguments), "null_caption": null_caption}
-
-
 def shipped_source(name: str, source: str | None = None) -> str:
     """islands/nets/NAME.py (or `source`) as OUT/islands_networks/ ships it: its imports of the other shipped files
     made relative, nothing else changed. A file that imports anything else of Islands could not be imported there:
@@ -129,14 +117,15 @@ def write_package(folder: Path, sources: dict[str, str]) -> None:
         f"from .diffusers_wrapper import IslandsDiT, IslandsUNet\n\n__all__ = ['IslandsDiT', 'IslandsUNet']\n")
 
 
-def own_model(cfg, shape: tuple, num_classes: int, net, arch: str):
-    """Islands' own network as its diffusers class (islands/nets/diffusers_wrapper.py), built from the arguments
-    that built `net` and holding its weights, timesteps on the scale of the run's scheduler."""
+def own_model(cfg, spec: NetworkSpec, net):
+    """Islands' own network (built for `spec`) as its diffusers class (islands/nets/diffusers_wrapper.py), built from
+    the arguments that built `net` and holding its weights, timesteps on the scale of the run's scheduler (`cfg`'s
+    flow)."""
     from islands.nets.diffusers_wrapper import EXPORTED_CLASS  # imports diffusers
 
-    arguments = OWN_NETWORK_ARGUMENTS[arch](cfg.model, tuple(shape), num_classes)
+    arguments = OWN_NETWORK_ARGUMENTS[spec.model.arch](spec)
     text = arguments["text"]
-    model = EXPORTED_CLASS[arch](**arguments | {"text": None if text is None else vars(text)},
+    model = EXPORTED_CLASS[spec.model.arch](**arguments | {"text": None if text is None else vars(text)},
                                  num_train_timesteps=cfg.flow.train_steps if cfg.flow.path == "vp_discrete" else 1000)
     model.net.load_state_dict(net.state_dict())
     return model.eval()
@@ -151,6 +140,8 @@ def export_run(run_dir: Path, out: Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: already exists and is not an empty folder; export writes a new one")
     cfg, info = describe_run(run_dir)
+    kind = condition_kind(cfg.model)
+    kind.check_exportable(cfg)
     arch = cfg.model.arch
     own = arch in OWN_NETWORK_ARGUMENTS
     if arch != "diffusers" and not own:
@@ -164,12 +155,11 @@ def export_run(run_dir: Path, out: Path) -> Path:
         raise CheckpointError(f"{run_dir} wrote a new checkpoint while it was read; export again")
     net = denoiser.net
     if own:
-        model, library = own_model(cfg, info.shape, info.num_classes, net, arch), PACKAGE
+        model, library = own_model(cfg, network_spec(cfg.model, info.shape, info.num_classes), net), PACKAGE
     else:
         model, library = net.to_diffusers(), "diffusers"
     class_name = type(model).__name__
     component = COMPONENT[class_name]
-    text = cfg.model.condition == "text"
 
     building = out.with_name(f".{out.name}.partial")
     shutil.rmtree(building, ignore_errors=True)  # a partial one left by an export that was killed
@@ -178,7 +168,7 @@ def export_run(run_dir: Path, out: Path) -> Path:
     scheduler.save_pretrained(building / "scheduler")
     if own:
         write_package(building, sources)
-    elif text:  # the null that unconditional samples and guidance read
+    elif getattr(net, "text", None) is not None:  # the null that unconditional samples and guidance read
         save_file(null_caption(net), building / NULL_CAPTION)
     (building / "model_index.json").write_text(json.dumps(
         {"_class_name": PIPELINE.get(class_name, "DiffusionPipeline"), "_diffusers_version": diffusers.__version__,
@@ -186,8 +176,8 @@ def export_run(run_dir: Path, out: Path) -> Path:
     record = {"islands_version": __version__, "run_dir": str(run_dir), "checkpoint": ckpt.name,
               "weights": weights_file(ckpt, True).name, "config_sha256": file_sha256(run_dir / CONFIG),
               "config": yaml.safe_load((run_dir / CONFIG).read_text()),
-              **({"text": text_record(cfg, run_dir, *((CAPTION, None) if own else (net.caption_arguments,)))}
-                 if text else {}),
+              **kind.export_record(cfg, run_dir, *((CAPTION, None) if own else
+                                                   (getattr(net, "caption_arguments", ()), NULL_CAPTION))),
               "files": {str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*"))
                         if p.suffix in (".safetensors", ".py")}}
     (building / RECORD).write_text(json.dumps(record, indent=2))

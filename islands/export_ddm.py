@@ -18,6 +18,7 @@ import yaml
 from safetensors.torch import save_file
 
 from islands import __version__
+from islands.conditions import condition_kind
 from islands.config import load_config
 from islands.ddm import diffusers_pipeline
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_WEIGHTS
@@ -34,7 +35,7 @@ from islands.ddm.records import (
 )
 from islands.ddm.runs import partition_dir
 from islands.errors import ConfigError
-from islands.export import null_caption, own_model, scheduler_for, shipped_source, text_record, write_package
+from islands.export import null_caption, own_model, scheduler_for, shipped_source, write_package
 from islands.nets import OWN_NETWORK_ARGUMENTS
 from islands.nets.diffusers_net import NULL_CAPTION
 from islands.nets.diffusers_wrapper import SHIPPED
@@ -67,12 +68,13 @@ def _refuse_unless_exportable(root: Path, manifest: EnsembleManifest, cfg) -> No
 
 
 def _router_arguments(entry: MemberRecord) -> dict:
-    model = entry.config().model
+    spec = entry.spec()
+    model = spec.model
     channels, size = entry.shape[0], entry.shape[1]
     return {"sample_size": size, "in_channels": channels, "num_experts": model.outputs,
             "patch_size": model.patch_size, "hidden_size": model.hidden_size or 128,
             "depth": model.depth or 4, "num_heads": model.num_heads or 4, "num_classes": entry.num_classes,
-            "pooled_width": model.text_pooled_width if model.condition == "text" else 0}
+            "pooled_width": spec.text.pooled_width if spec.text else 0}
 
 
 def export_ensemble(root: Path, out: Path) -> Path:
@@ -84,6 +86,7 @@ def export_ensemble(root: Path, out: Path) -> Path:
     manifest = read_manifest(root)
     cfg = load_config(root / "config.yaml")
     _refuse_unless_exportable(root, manifest, cfg)
+    condition_kind(cfg.model).check_exportable(cfg)
 
     building = start_building(out)  # one a killed export left is removed; a person's `.OUT.partial` refused
     experts = []
@@ -93,7 +96,7 @@ def export_ensemble(root: Path, out: Path) -> Path:
         if arch == "diffusers":
             model = net.to_diffusers()
         else:  # Islands' own network, as the diffusers class whose code ships in islands_networks/
-            model = own_model(entry.config(), entry.shape, entry.num_classes, net, arch)
+            model = own_model(entry.config(), entry.spec(), net)
         model.save_pretrained(building / folder, safe_serialization=True)
         if arch == "diffusers" and net.text is not None:  # its learned "no caption", not among the class's weights
             save_file(null_caption(net), building / folder / NULL_CAPTION)
@@ -105,9 +108,9 @@ def export_ensemble(root: Path, out: Path) -> Path:
     index = {"_class_name": "DDMPipeline", "islands_version": __version__, "version": VERSION, "k": manifest.k,
              "shape": first.shape, "num_classes": cfg.model.num_classes,
              "condition": cfg.model.condition, "prior": manifest.prior, "experts": experts}
-    if cfg.model.condition == "text":  # how a prompt becomes the experts' caption (every expert encodes alike)
-        text = text_record(cfg, root / first.run, ())
-        index["text"] = {k: v for k, v in text.items() if k not in ("arguments", "null_caption")}
+    # how a prompt becomes the experts' condition (every expert encodes alike)
+    for key, record in condition_kind(cfg.model).export_record(cfg, root / first.run).items():
+        index[key] = {k: v for k, v in record.items() if k not in ("arguments", "null_caption")}
     if manifest.prior_by_class:  # the last row: no class, the sizes
         index["prior_by_class"] = manifest.prior_by_class + [manifest.prior]
     router = manifest.router

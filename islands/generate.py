@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from islands.conditions import NO_REQUEST, SampleRequest, condition_kind, network_spec
 from islands.config import Config, SampleConfig, revalidate
 from islands.data import streams
-from islands.data.captions import encode_captions, open_run_text_encoder, recorded_text_encoder
+from islands.data.captions import recorded_text_encoder
 from islands.data.latents import open_data_space
 from islands.data.space import PIXELS, DataSpace
 from islands.errors import CheckpointError, ConfigError, IslandsWarning
@@ -31,7 +32,7 @@ from islands.flow.denoiser import Denoiser, NetworkDenoiser
 from islands.flow.paths import build_path
 from islands.flow.samplers import sample
 from islands.images import save_samples_picture
-from islands.nets import build_network
+from islands.nets import NetworkSpec, build_network
 from islands.parallel import launch
 from islands.rundir import atomic_write, checkpoint_weights, describe_run, latest_checkpoint
 from islands.untrusted import WithoutInitialisation
@@ -47,33 +48,24 @@ def load_denoiser(run_dir: Path, use_ema: bool = True) -> tuple[NetworkDenoiser,
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint yet")
     weights = checkpoint_weights(ckpt, use_ema)
-    net = network_with_weights(cfg.model, info.shape, info.num_classes, weights)
+    net = network_with_weights(network_spec(cfg.model, info.shape, info.num_classes), weights)
     path = build_path(cfg.flow.path, **cfg.flow.path_options())
     return NetworkDenoiser(net, path, cfg.flow.prediction), cfg, info
 
 
-def uninitialised_network(model_cfg, shape: tuple, num_classes: int, device="cpu") -> torch.nn.Module:
+def uninitialised_network(spec: NetworkSpec, device="cpu") -> torch.nn.Module:
     """The network built on `device` without initialising it (no time spent, no global random numbers drawn), for
     weights about to be loaded. Not on the meta device: torch computes some meta tensors in Python (normal_, arange),
     whose first use imports torch._dynamo, 1 to 4 s of every `islands sample` on a 2-core CPU."""
     with torch.device(device), WithoutInitialisation():
-        return build_network(model_cfg, shape, num_classes)
+        return build_network(spec)
 
 
-def network_with_weights(model_cfg, shape: tuple, num_classes: int, weights: dict, device="cpu") -> torch.nn.Module:
+def network_with_weights(spec: NetworkSpec, weights: dict, device="cpu") -> torch.nn.Module:
     """The network holding `weights` (strictly), in eval mode."""
-    net = uninitialised_network(model_cfg, shape, num_classes, device)
+    net = uninitialised_network(spec, device)
     net.load_state_dict(weights)
     return net.eval()
-
-
-def sample_labels(num: int, num_classes: int, class_label: int | None = None) -> torch.Tensor | None:
-    """Labels cycle through the classes (one class per grid column) unless one class is asked for."""
-    if num_classes == 0:
-        return None
-    if class_label is not None:
-        return torch.full((num,), class_label, dtype=torch.long)
-    return torch.arange(num) % num_classes
 
 
 def resolve_precision(precision: str, trained: str, device: torch.device | str = "cpu") -> str:
@@ -104,38 +96,28 @@ class Sampler:
     denoiser: Denoiser
     cfg: Config  # the run's (or the ensemble's) resolved config
     shape: tuple  # of one example
-    num_classes: int  # the condition: a class in [0, num_classes); 0: unconditional
+    num_classes: int  # a class condition's: a class in [0, num_classes)
     opts: SampleConfig  # resolved; batch_size is how many samples are drawn at once
     assignment: Callable[[int], Callable] | None = None  # seed -> `generate`'s for_batch (ancestral routing)
     manifest: dict | None = None  # an ensemble's
     space: DataSpace = PIXELS  # where the samples go back to the data's own space
     text_encoder_sha256: str | None = None  # of the weights that encoded the captions it learnt (prompts are checked)
 
-    def labels(self, num: int, class_label: int | None = None) -> torch.Tensor | None:
-        """The conditions of `num` samples: every class in turn, or `class_label` alone; None if unconditional."""
-        if class_label is not None and not 0 <= class_label < max(self.num_classes, 1):
-            raise ConfigError(f"--class: {class_label} is not a class of this model ({self.num_classes} classes)")
-        return sample_labels(num, self.num_classes, class_label)
-
-    def prompted(self, prompts: list[str], num: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The conditions of `num` samples of a text-conditioned run, `prompts` in turn, encoded by the run's text
-        encoder (its weights checked against the run's record) as its captions were."""
-        if self.cfg.model.condition != "text":
-            raise ConfigError(f"--prompt: {self.cfg.run_dir} is not conditioned on text "
-                              f"(model.condition: {self.cfg.model.condition})")
-        encoder = open_run_text_encoder(self.cfg, self.text_encoder_sha256, device)
-        return encode_captions(encoder, list(prompts), self.cfg.model.text_tokens)[torch.arange(num) % len(prompts)]
+    def conditions(self, num: int, request: SampleRequest = NO_REQUEST) -> torch.Tensor | None:
+        """The conditions of `num` samples asked for by `request`, made by the run's condition kind (a class in turn
+        or the one asked for, prompts in turn, ...); None: unconditional."""
+        return condition_kind(self.cfg.model).request(self, num, request)
 
     def for_batch(self, seed: int):
         """`generate`'s for_batch for the samples of `seed`'s stream: None but under ancestral routing."""
         return None if self.assignment is None else self.assignment(seed)
 
-    def generate(self, num: int, labels: torch.Tensor | None = None, seed: int | None = None, first: int = 0,
+    def generate(self, num: int, condition: torch.Tensor | None = None, seed: int | None = None, first: int = 0,
                  progress: bool = False, device: torch.device | str = "cpu") -> torch.Tensor:
         """Samples first .. first + num - 1 of the stream keyed on `seed` (the run's by default), in the data's own
         space."""
         seed = self.cfg.seed if seed is None else seed
-        x = generate(self.denoiser, self.shape, num, self.opts, seed, labels, first, progress, device,
+        x = generate(self.denoiser, self.shape, num, self.opts, seed, condition, first, progress, device,
                      self.for_batch(seed))
         # a batch at a time: an autoencoder decodes latents into images many times their size
         return torch.cat([self.space.decode(part) for part in x.split(self.opts.batch_size)])
@@ -162,10 +144,10 @@ def sampling_precision(precision: str, device: torch.device):
 
 @torch.no_grad()
 def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleConfig, seed: int,
-             labels: torch.Tensor | None = None, first: int = 0, progress: bool = False,
+             condition: torch.Tensor | None = None, first: int = 0, progress: bool = False,
              device: torch.device | str = "cpu", for_batch=None) -> torch.Tensor:
     """Samples first .. first + num - 1 of the stream keyed on `seed`, in batches of opts.batch_size.
-    `for_batch(lo, hi, labels)`, if given, is the denoiser that draws the samples lo .. hi - 1, given their labels
+    `for_batch(lo, hi, cond)`, if given, is the denoiser that draws the samples lo .. hi - 1, given their conditions
     (the mixture with each sample's ancestral expert assigned)."""
     launch.warn_if_bf16_is_slow("sample.precision", opts.precision, device)
     out = []
@@ -173,7 +155,7 @@ def generate(denoiser: Denoiser, shape: tuple[int, ...], num: int, opts: SampleC
     for lo in range(0, num, opts.batch_size):
         hi = min(num, lo + opts.batch_size)
         noise = streams.normal(seed, list(range(first + lo, first + hi)), shape, "sample").to(device)
-        cond = None if labels is None else labels[lo:hi].to(device)
+        cond = None if condition is None else condition[lo:hi].to(device)
         drawing = denoiser if for_batch is None else for_batch(first + lo, first + hi, cond)
         with sampling_precision(opts.precision, noise.device):
             x = sample(drawing, noise, steps=opts.steps, solver=opts.solver, grid=opts.grid,

@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 from PIL import Image, UnidentifiedImageError
 
+from islands.conditions import KINDS
 from islands.config import ConfigError
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT
 from islands.ddm.ensemble import MANIFEST
@@ -259,16 +260,12 @@ def trained_images(folder: Folder, rel: Path) -> int | None:
 
 # --- sections ------------------------------------------------------------------------------------------------------
 
-# Keys that only one condition kind reads (a resolved config holds them all): described only where the run's
-# model.condition is that kind, so that a class-conditional run does not list a text encoder it never opened.
-CONDITION_KEYS = {"class": {"model": ("num_classes",)},
-                  "text": {"model": ("text_tokens", "text_width", "text_pooled_width"), "data": ("text_encoder",)}}
-
-
 def used_keys(section: str, values: dict, condition) -> dict:
-    """The section's keys less those of condition kinds other than the run's (all of them where it names none)."""
-    unused = {k for kind, keys in CONDITION_KEYS.items() if condition is not None and kind != condition
-              for k in keys.get(section, ())}
+    """The section's keys less those that only condition kinds other than the run's read (`ConditionKind.keys`; a
+    resolved config holds them all), so that a class-conditional run does not list a text encoder it never opened;
+    all of them where it names none."""
+    unused = {k for name, kind in KINDS.items() if condition is not None and name != condition
+              for k in kind.keys.get(section, ())}
     return {k: v for k, v in values.items() if k not in unused}
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from conftest import random_images, tiny_unet_config
 from fake_gpu import DEVICE, FakeGpuMode
 
+from islands.conditions import network_spec
 from islands.config import SampleConfig, validate
 from islands.data.batch import Batch
 from islands.data.posterior import ExactPosterior
@@ -159,7 +160,7 @@ def mlp(classes: int = 2, **model) -> torch.nn.Module:
     """A small MLP on 2-D vectors, initialised on the CPU (random initialisation is the CPU's) and moved."""
     cfg = validate({"run_dir": ".", "model": {"arch": "mlp", "hidden": 16, "depth": 2, "num_classes": classes,
                                               **model}})
-    return build_network(cfg.model, (2,), classes).to(DEVICE)
+    return build_network(network_spec(cfg.model, (2,), classes)).to(DEVICE)
 
 
 def vectors(n: int = 8, classes: int = 2, seed: int = 3):
@@ -201,7 +202,7 @@ def router_net(shape: tuple = (2,), classes: int = 2, k: int = 2) -> torch.nn.Mo
     """A router of 2-D vectors (a residual MLP) or of images (a small DiT encoder), on the device."""
     cfg = validate({"run_dir": ".", "model": {"arch": "router", "hidden": 16, "hidden_size": 16, "num_heads": 2,
                                               "depth": 2, "outputs": k, "num_classes": classes}})
-    return build_network(cfg.model, shape, classes).to(DEVICE)
+    return build_network(network_spec(cfg.model, shape, classes)).to(DEVICE)
 
 
 @pytest.mark.parametrize("shape", [(2,), (1, 8, 8)])

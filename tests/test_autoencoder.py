@@ -9,6 +9,7 @@ import torch
 from conftest import random_images
 
 from islands.cli import main
+from islands.conditions import network_spec
 from islands.config import validate
 from islands.errors import ConfigError, DataError
 from islands.nets.autoencoder import autoencoder_kl
@@ -161,7 +162,7 @@ def _initial_weights(tmp_path, data) -> dict:
 
     cfg = validate(ae_config(tmp_path / "unused", data))
     torch.manual_seed(cfg.seed)
-    return build_network(cfg.model, (1, 8, 8), 0).vae.state_dict()
+    return build_network(network_spec(cfg.model, (1, 8, 8), 0)).vae.state_dict()
 
 
 def test_an_interrupted_autoencoder_run_resumes_bit_identically(tmp_path):

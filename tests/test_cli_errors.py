@@ -88,7 +88,7 @@ CASES = {  # name: (the command line from the fixture's paths, what its one line
     "topk above K": (lambda m: ["sample", str(m["ensemble"]), "--routing", "topk:5"],
                      "--routing: 'topk:5' selects more than the 4 experts"),
     "max-loaded 0": (lambda m: ["sample", str(m["ensemble"]), "--max-loaded", "0"], "--max-loaded: 0"),
-    "ensemble class": (lambda m: ["sample", str(m["ensemble"]), "--class", "99"], "--class: 99"),
+    "ensemble class": (lambda m: ["sample", str(m["ensemble"]), "--class", "99"], "not conditioned on a class"),
     "sample num 0": (lambda m: ["sample", str(m["run"]), "--num", "0"], "--num: 0"),
     "eval num 0": (lambda m: ["eval", str(m["run"]), "--num", "0"], "--num: 0"),
     "eval steps 0": (lambda m: ["eval", str(m["run"]), "--steps", "0"], "--steps: 0"),

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from islands.conditions import network_spec
 from islands.config import load_config
 from islands.nets import build_network
 
@@ -19,7 +20,7 @@ def test_bundled_config_is_valid(path):
 
 def _parameters(cfg, shape, classes):
     with torch.device("meta"):
-        net = build_network(cfg.model, shape, classes)
+        net = build_network(network_spec(cfg.model, shape, classes))
     return sum(p.numel() for p in net.parameters())
 
 
@@ -36,7 +37,7 @@ def test_adm_imagenet64_preset_is_the_papers_296m_network_but_for_its_resampling
 
     cfg = load_config("configs/unet_adm_imagenet64.yaml")
     with torch.device("meta"):
-        net = build_network(cfg.model, (3, 64, 64), 1000)
+        net = build_network(network_spec(cfg.model, (3, 64, 64), 1000))
     ours = sum(p.numel() for p in net.parameters())
     emb = 4 * cfg.model.channels
 

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from test_autoencoder import folder_digest
 
 from islands.cli import main
+from islands.conditions import network_spec
 from islands.config import DIFFUSERS_CLASSES, validate
 from islands.data import build_data
 from islands.data.captions import caption_table
@@ -99,7 +100,7 @@ CASES = [("UNet2DModel", 0), ("UNet2DModel", 4), ("DiTTransformer2DModel", 0), (
 @pytest.mark.parametrize(("class_name", "num_classes"), CASES)
 def test_the_adapter_computes_what_the_diffusers_model_computes_called_by_hand(class_name, num_classes):
     cfg = validate({"run_dir": ".", "model": model_config(class_name, num_classes)})
-    net = randomised(build_network(cfg.model, (2, 8, 8), num_classes)).eval()
+    net = randomised(build_network(network_spec(cfg.model, (2, 8, 8), num_classes))).eval()
     x, t = torch.randn(3, 2, 8, 8), torch.tensor([0.02, 0.5, 0.97])
     cond = (torch.tensor([0, 3, 4]) if num_classes else None) if class_name in CLASS_LABELS else captions(3)
     with torch.no_grad():
@@ -115,7 +116,7 @@ def test_dits_own_label_dropout_never_fires():
     """DiT drops 10% of its labels from torch's global generator in train mode; Islands' dropout, drawn from each
     example's stream, must be the only one: train mode gives eval mode's output, whatever the global generator."""
     cfg = validate({"run_dir": ".", "model": model_config("DiTTransformer2DModel", 4)})
-    net = randomised(build_network(cfg.model, (2, 8, 8), 4))
+    net = randomised(build_network(network_spec(cfg.model, (2, 8, 8), 4)))
     x, t, y = torch.randn(64, 2, 8, 8), torch.rand(64), torch.arange(64) % 4
     with torch.no_grad():
         expected = net.eval()(x, t, y)
@@ -156,7 +157,7 @@ def test_activation_checkpointing_gives_the_same_gradients(class_name):
 
     def gradients(checkpointed: bool) -> dict:
         torch.manual_seed(0)
-        net = randomised(build_network(cfg.model, (2, 8, 8), 4))
+        net = randomised(build_network(network_spec(cfg.model, (2, 8, 8), 4)))
         if checkpointed:
             assert checkpoint_blocks(net) == len(net.blocks) == {"UNet2DModel": 5}.get(class_name, 2)
         net(x, t, y).square().mean().backward()
@@ -183,7 +184,7 @@ def test_a_run_starts_from_a_pretrained_folder(tmp_path, image_npz, capsys):
     cfg["model"] = {"arch": "diffusers", "pretrained": str(tmp_path / "pretrained"), "num_classes": 4}
     resolved = validate(cfg).model
     assert resolved.class_name == "UNet2DModel" and resolved.config["block_out_channels"] == [8, 16]
-    net = build_network(resolved, (1, 8, 8), 4)
+    net = build_network(network_spec(resolved, (1, 8, 8), 4))
     load_pretrained(net, str(tmp_path / "pretrained"))
     weights = model.state_dict()
     assert net.diffusers_state_dict().keys() == weights.keys()
@@ -262,7 +263,7 @@ def test_a_dropped_caption_is_the_networks_none(class_name):
     """Dropped, a caption is the learned null (for SD3 and Flux, which read every row, the very same input as none);
     given, it changes the output."""
     cfg = validate({"run_dir": ".", "model": model_config(class_name)})
-    net = randomised(build_network(cfg.model, (2, 8, 8), 0)).eval()
+    net = randomised(build_network(network_spec(cfg.model, (2, 8, 8), 0))).eval()
     x, t, c = torch.randn(3, 2, 8, 8), torch.rand(3), captions(3)
     with torch.no_grad():
         none, dropped = net(x, t, None), net(x, t, net.condition.drop(c, torch.tensor([True, False, True])))

@@ -9,6 +9,7 @@ from conftest import run_ranks, tiny_unet_config, write_config
 from test_latents import saved_vae
 
 from islands.cli import main
+from islands.conditions import network_spec
 from islands.config import load_config, validate
 from islands.data import build_data
 from islands.data.latents import open_data_space
@@ -147,7 +148,8 @@ def test_the_dit_xl2_latents_config_plans_at_paper_size_and_trains_a_step_at_tin
     assert plan["params"] == pytest.approx(675e6, rel=0.01)  # DiT-XL/2
     cfg = load_config("configs/dit_xl2_latents.yaml", [*paths, "model.num_classes=4"])
     with torch.device("meta"):  # its patch embedding and output layer are those of 2 channels
-        assert plan["params"] == sum(p.numel() for p in build_network(cfg.model, (2, 4, 4), 4).parameters())
+        net = build_network(network_spec(cfg.model, (2, 4, 4), 4))
+        assert plan["params"] == sum(p.numel() for p in net.parameters())
     tiny = [*paths, f"run_dir={tmp_path / 'run'}", "model.num_classes=4", "model.hidden_size=32", "model.depth=1",
             "model.num_heads=2", "train.images=8", "train.batch_size=8", "train.precision=fp32",
             "train.activation_checkpointing=false", "train.checkpoint_every=8", "train.sample_every=8",

@@ -17,6 +17,7 @@ from test_checkpoint import a_run_with_one_checkpoint
 from test_diffusers_nets import TEXT_CLASSES, emoji_diffusers_run, model_config
 
 from islands.cli import main
+from islands.conditions import network_spec
 from islands.config import validate
 from islands.data import streams
 from islands.data.shards import file_sha256
@@ -442,12 +443,12 @@ def test_an_islands_network_of_a_ddpm_run_reads_the_schedulers_steps():
 
     cfg = validate({"run_dir": ".", "model": OWN_NETWORKS["dit"],
                     "flow": {"path": "vp_discrete", "prediction": "epsilon", "train_steps": 500}})
-    net = build_network(cfg.model, (1, 8, 8), 4)
+    net = build_network(network_spec(cfg.model, (1, 8, 8), 4))
     made = torch.Generator().manual_seed(0)
     with torch.no_grad():  # away from the zero start, so that the time it is given shows
         for p in net.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=made))
-    model = own_model(cfg, (1, 8, 8), 4, net, "dit")
+    model = own_model(cfg, network_spec(cfg.model, (1, 8, 8), 4), net)
     assert scheduler_for(cfg).config.num_train_timesteps == model.config.num_train_timesteps == 500
     x, steps, labels = torch.randn(3, 1, 8, 8, generator=made), torch.tensor([0, 250, 499]), torch.tensor([0, 1, 4])
     with torch.no_grad():

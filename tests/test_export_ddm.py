@@ -16,6 +16,7 @@ from test_diffusers_nets import CLASS_LABELS, ensemble_of, model_config, randomi
 from test_export import WITHOUT_ISLANDS, run_without_islands
 
 from islands.cli import main
+from islands.conditions import SampleRequest, network_spec
 from islands.data import streams
 from islands.data.shards import file_sha256
 from islands.ddm import diffusers_pipeline
@@ -64,7 +65,7 @@ def test_the_exported_pipeline_samples_as_islands_samples_under_every_routing(en
     torch.set_num_threads(1)
     root, out = ensemble / "ens", ensemble / "out"
     sampler = open_sampler(root, {"steps": STEPS, "solver": "euler", "guidance": GUIDANCE}, routing="ancestral")
-    labels = sampler.labels(NUM)
+    labels = sampler.conditions(NUM)
     seed = sampler.cfg.seed
     noise = streams.normal(seed, list(range(NUM)), sampler.shape, "sample")  # as islands/generate.py draws it
     clusters = ancestral_clusters(sampler.manifest, seed, 0, NUM, labels)
@@ -167,7 +168,7 @@ def test_an_ensemble_of_islands_own_u_nets_exports_samples_in_plain_diffusers_an
 
     routings, opts = ("ancestral", "top1", "full"), {"steps": STEPS, "solver": "euler", "guidance": GUIDANCE}
     sampler = open_sampler(root, opts, routing="ancestral")
-    labels, seed = sampler.labels(NUM), sampler.cfg.seed
+    labels, seed = sampler.conditions(NUM), sampler.cfg.seed
     noise = streams.normal(seed, list(range(NUM)), sampler.shape, "sample")
     for name, value in (("noise", noise), ("labels", labels),
                         ("clusters", ancestral_clusters(sampler.manifest, seed, 0, NUM, labels))):
@@ -387,8 +388,8 @@ def test_a_config_larger_than_its_weights_is_refused_before_it_is_built(ensemble
     config = json.loads((copy / "expert_0" / "config.json").read_text())
     if network == "IslandsUNet":  # expert 0 claims to be Islands' own U-Net, its config.json and index agreeing
         model = {**tiny_unet_config(".", ".")["model"], "channels": 20000}
-        arguments = OWN_NETWORK_ARGUMENTS["unet"](validate({"run_dir": ".", "model": model}).model,
-                                                  tuple(index["shape"]), index["num_classes"])
+        arguments = OWN_NETWORK_ARGUMENTS["unet"](network_spec(validate({"run_dir": ".", "model": model}).model,
+                                                  tuple(index["shape"]), index["num_classes"]))
         config = {"_class_name": "IslandsUNet", **json.loads(json.dumps({**arguments, "text": None}))}
         edit_json(copy / "ddm.json", lambda index: set_at(index, ["experts", 0, "islands_model"], model))
     else:
@@ -500,7 +501,7 @@ def test_a_text_conditioned_ensemble_samples_prompts_in_plain_diffusers_and_read
 
     opts, routings = {"steps": 3, "solver": "euler", "guidance": 3.0}, ("ancestral", "top1", "full")
     sampler = open_sampler(root, opts, routing="ancestral")
-    packed = sampler.prompted(["red apple", "grinning face", "blue heart"], 4)
+    packed = sampler.conditions(4, SampleRequest(prompts=tuple(["red apple", "grinning face", "blue heart"])))
     width, pooled_width = sampler.cfg.model.text_width, sampler.cfg.model.text_pooled_width
     depth = max(width, pooled_width)
     noise = streams.normal(sampler.cfg.seed, list(range(4)), sampler.shape, "sample")

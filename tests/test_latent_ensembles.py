@@ -60,7 +60,7 @@ def test_an_ensemble_on_latents_samples_images_its_autoencoder_decodes(tmp_path,
     assert main(["sample", str(root), "--num", "4", "--out", str(tmp_path / "out"), "--quiet"]) == 0
     written = torch.from_numpy(np.load(tmp_path / "out" / "samples.npz")["x"])
     sampler = open_sampler(root)
-    labels = sampler.labels(4)
+    labels = sampler.conditions(4)
     latents = generate(sampler.denoiser, (2, 4, 4), 4, sampler.opts, sampler.cfg.seed, labels,
                        for_batch=sampler.for_batch(sampler.cfg.seed))
     assert written.shape == (4, 1, 8, 8) and latents.abs().max() > 1
@@ -90,7 +90,7 @@ def test_range_experts_on_latents_sample_images_through_their_gate(tmp_path, ima
     assert main(["sample", str(tmp_path / "ranges"), "--num", "4", "--out", str(tmp_path / "out"), "--quiet"]) == 0
     written = torch.from_numpy(np.load(tmp_path / "out" / "samples.npz")["x"])
     sampler = open_sampler(tmp_path / "ranges")
-    latents = generate(sampler.denoiser, (2, 4, 4), 4, sampler.opts, sampler.cfg.seed, sampler.labels(4))
+    latents = generate(sampler.denoiser, (2, 4, 4), 4, sampler.opts, sampler.cfg.seed, sampler.conditions(4))
     decoded = load_autoencoder(vae).decode(latents / 1.7 + 0.1).clamp(-1, 1)
     assert written.shape == (4, 1, 8, 8)
     torch.testing.assert_close(written, decoded, rtol=0, atol=1e-6)

@@ -11,6 +11,7 @@ from PIL import Image
 from torch.utils.flop_counter import FlopCounterMode
 
 from islands.cli import main
+from islands.conditions import network_spec
 from islands.config import load_config
 from islands.data.latents import LatentStage
 from islands.errors import DataError
@@ -84,7 +85,7 @@ def test_the_plan_of_a_latent_run_prices_its_network_on_latents_and_the_encoder_
     assert main(["plan", config, "--network", "infiniband", "--out", str(tmp_path / "plan")]) == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     with torch.device("meta"):  # the network of 2-channel latents, not of 1-channel images
-        net = build_network(load_config(config).model, (2, 4, 4), 4)
+        net = build_network(network_spec(load_config(config).model, (2, 4, 4), 4))
     assert plan["params"] == sum(p.numel() for p in net.parameters())
     with FlopCounterMode(display=False) as counter:  # the encoder's forward on one image, on real weights
         load_autoencoder(vae).encode(torch.zeros(1, 1, 8, 8))

@@ -20,6 +20,7 @@ from test_parallel import (
     relative_difference,
 )
 
+from islands.conditions import network_spec
 from islands.config import Config, validate
 from islands.data import ClusterSubset, GMMSource
 from islands.data.loader import StreamOrder
@@ -60,7 +61,7 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_whole_or_streamed_a
     # 20 steps, a synchronisation every 4: one all-reduce of the weights per 4 steps, where DDP sends its gradients
     # (the same bytes) every step. bf16 pseudo-gradients halve it.
     sent = json.loads((local / "communication.json").read_text())["bytes_per_step"]
-    net = build_network(validate(cfg).model, (2,), 3)
+    net = build_network(network_spec(validate(cfg).model, (2,), 3))
     assert sent == pytest.approx({"outer_all_reduce": predicted_bytes("ddp", 1, cfg)["all_reduce"] / 4})
     # what `islands plan` prices
     assert sent == pytest.approx(LocalSGDStrategy.costs.bytes_per_step(net, 2, sync_every=4))
@@ -82,7 +83,7 @@ def test_diloco_with_outer_lr_1_and_no_momentum_is_local_sgd_whole_or_streamed_a
              for name, run in (("whole", local), ("streamed", streamed))}
     # 20 steps: the whole model at steps 4, 8, .., 20; fragment 1 at the same steps, fragment 0 at 2, 6, .., 18
     # and once more at the last step, which synchronises every fragment.
-    net = build_network(Config(**cfg).model, (2,), 3)  # in parameter order, which the fragments follow
+    net = build_network(network_spec(Config(**cfg).model, (2,), 3))  # in parameter order, which the fragments follow
     sizes = [p.numel() for p in net.parameters()]
     first = sum(sizes[i] for i in fragments_of(sizes, 2)[0])
     assert total["streamed"] == pytest.approx(total["whole"] * (1 + first / (5 * sum(sizes))))
@@ -115,7 +116,7 @@ def test_two_islands_of_two_ranks_synchronising_every_step_with_plain_sgd_are_on
     assert relative_difference(single, final_weights(tmp_path / "every_step")) < 1e-5
     ddp = predicted_bytes("ddp", 1, cfg)["all_reduce"]  # over 2 ranks
     sent = json.loads((tmp_path / "every_4" / "communication.json").read_text())["bytes_per_step"]
-    net = build_network(validate(cfg).model, (2,), 3)
+    net = build_network(network_spec(validate(cfg).model, (2,), 3))
     half = 4 * -(-sum(p.numel() for p in net.parameters()) // 2)  # bytes of half the flat parameters, padded
     assert sent == pytest.approx({"all_reduce": ddp, "outer_all_reduce": half / 4, "all_gather": half / 4})
     assert sent == pytest.approx(LocalSGDStrategy.costs.bytes_per_step(net, 4, sync_every=4, replicas=2))

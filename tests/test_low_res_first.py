@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from islands.cli import main
+from islands.conditions import network_spec
 from islands.config import validate
 from islands.data import streams
 from islands.errors import ConfigError
@@ -136,9 +137,9 @@ def test_a_dit_from_a_run_of_its_own_size_computes_exactly_what_that_run_compute
     base = train(tiny_dit(tmp_path / "base", image_npz, 8), progress=False)
     weights = load_weights(latest_checkpoint(base) / "ema.safetensors")
     cfg = tiny_dit(tmp_path / "next", image_npz, 8)
-    net = build_network(cfg.model, (1, 8, 8), 4)
+    net = build_network(network_spec(cfg.model, (1, 8, 8), 4))
     start_from(net, base)
-    reference = network_with_weights(cfg.model, (1, 8, 8), 4, weights)
+    reference = network_with_weights(network_spec(cfg.model, (1, 8, 8), 4), weights)
     x, t, y = torch.randn(4, 1, 8, 8), torch.rand(4), torch.arange(4)
     assert torch.equal(net.eval()(x, t, y), reference(x, t, y))
 
@@ -147,7 +148,7 @@ def test_a_14x14_dit_goes_on_at_28x28_with_every_weight_but_its_positions_as_it_
     low = train(tiny_dit(tmp_path / "low", image_npz, 14), progress=False)
     weights = load_weights(latest_checkpoint(low) / "ema.safetensors")
     high_cfg = tiny_dit(tmp_path / "high", image_npz, 28, init_from=str(low), lr=1e-12)
-    net = build_network(high_cfg.model, (1, 28, 28), 4)
+    net = build_network(network_spec(high_cfg.model, (1, 28, 28), 4))
     start_from(net, low)
     loaded = net.state_dict()
     assert loaded.keys() == weights.keys()
@@ -170,17 +171,18 @@ def test_a_unet_goes_on_at_twice_the_size_as_it_was_and_a_weight_that_does_not_f
                           train={"images": 16, "checkpoint_every": 16, "sample_every": 16}), progress=False)
     weights = load_weights(latest_checkpoint(low) / "ema.safetensors")
     cfg = tiny_unet(tmp_path / "high", image_npz)
-    net = build_network(cfg.model, (1, 8, 8), 4)
+    net = build_network(network_spec(cfg.model, (1, 8, 8), 4))
     start_from(net, low)
     loaded = net.state_dict()
     assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
     # attention listed by the same side at both sizes sits at another level: named, not dropped
-    other = build_network(tiny_unet(tmp_path / "x", image_npz, model={"attention_resolutions": [2]}).model,
-                          (1, 8, 8), 4)
+    other_cfg = tiny_unet(tmp_path / "x", image_npz, model={"attention_resolutions": [2]})
+    other = build_network(network_spec(other_cfg.model, (1, 8, 8), 4))
     with pytest.raises(ConfigError, match=r"train.init_from: the weights of .*low do not fit this model: "
                                           r"this model has no blocks\.\d+\.attn\."):
         start_from(other, low)
-    wider = build_network(tiny_unet(tmp_path / "y", image_npz, model={"channels": 16}).model, (1, 8, 8), 4)
+    wider_cfg = tiny_unet(tmp_path / "y", image_npz, model={"channels": 16})
+    wider = build_network(network_spec(wider_cfg.model, (1, 8, 8), 4))
     with pytest.raises(ConfigError, match=r"do not fit this model: blocks\.0\.res\.conv1\.bias is \(8,\) there, "
                                           r"\(16,\) here"):
         start_from(wider, low)

@@ -22,6 +22,7 @@ import torch
 import yaml
 from conftest import poisoned_npz
 
+from islands.conditions import network_spec
 from islands.config import validate
 from islands.data.loader import stream_loader
 from islands.data.registry import build_source
@@ -86,8 +87,8 @@ def predicted_bytes(strategy: str, accumulate: int, cfg: dict, world: int = 2) -
     """Bytes per optimizer step per rank, by collective, from the strategy's own formulas (its `costs`): those
     `islands plan` prices, checked here against what the ledger counted."""
     parallel = validate(cfg).parallel
-    return strategy_class(strategy).costs.bytes_per_step(build_network(validate(cfg).model, (2,), 3), world,
-                                                         accumulate, parallel.compression,
+    net = build_network(network_spec(validate(cfg).model, (2,), 3))
+    return strategy_class(strategy).costs.bytes_per_step(net, world, accumulate, parallel.compression,
                                                          validate(cfg).train.precision)
 
 
@@ -278,7 +279,7 @@ def test_a_checkpoint_another_rank_cannot_read_is_passed_over_by_this_one_too():
 
 def sharded_state_of_one_process(cfg) -> dict:
     """What one process holds, as the loop lays it out, ready for read_sharded to fill."""
-    net = build_network(cfg.model, (2,), 3)
+    net = build_network(network_spec(cfg.model, (2,), 3))
     opt = torch.optim.AdamW(net.parameters())
     return {"model": net.state_dict(), "optim": adam_state(opt, net),
             "ema": EMA(net, cfg.train.ema_halflife_images, cfg.train.ema_rampup).state_dict()}
@@ -532,7 +533,7 @@ def _probe_two_ranks(rank: int, port: int, out: str) -> None:
     for name in ("ddp", "zero1", "zero2", "fsdp"):
         torch.manual_seed(0)
         strategy = strategy_class(name)(world)
-        net = build_network(cfg.model, (2,), 3)
+        net = build_network(network_spec(cfg.model, (2,), 3))
         model = strategy.parallelize(net)
         opt = strategy.layout.optimizer(net, lr=1e-3)
         generator = torch.Generator().manual_seed(rank)
@@ -653,7 +654,7 @@ def test_a_loss_non_finite_on_one_rank_only_skips_the_step_on_both_and_max_nonfi
     source = build_source("npz", path=data)
     batch = next(itertools.islice(stream_loader(source, 32, seed, rank=1, world=2), 2, None))
     torch.manual_seed(seed)
-    net = build_network(cfg.model, (2,), 3)
+    net = build_network(network_spec(cfg.model, (2,), 3))
     objective = build_objective(cfg)
     objective.prepare(net)
     loss = objective(net, batch).mean()

@@ -11,6 +11,7 @@ from conftest import random_images
 from test_parallel import final_weights, launch_ranks, mlp_config, relative_difference
 from torch.utils.flop_counter import FlopCounterMode
 
+from islands.conditions import network_spec
 from islands.config import validate
 from islands.nets import build_network
 from islands.parallel.costs import carry_bytes
@@ -31,7 +32,7 @@ TINY = {
 def tiny_network(arch: str):
     model, shape = TINY[arch]
     torch.manual_seed(0)
-    net = build_network(validate({"run_dir": "unused", "model": model}).model, shape, 4)
+    net = build_network(network_spec(validate({"run_dir": "unused", "model": model}).model, shape, 4))
     for p in net.parameters():  # away from the zero initialisations, so that every block computes something
         p.data.add_(0.05 * torch.randn_like(p))
     return net, shape
@@ -154,7 +155,7 @@ def test_two_data_parallel_copies_of_a_two_stage_pipeline_follow_one_process_and
     assert relative_difference(single, final_weights(tmp_path / "mesh")) < 1e-5
     # Rank 0 is stage 0 of data row 0: it sends its 16 examples' carry (h, emb: 2 x 64 floats each) forward and
     # all-reduces its stage's gradients with rank 2, its copy in the other row.
-    net = build_network(validate(cfg).model, (2,), 3)
+    net = build_network(network_spec(validate(cfg).model, (2,), 3))
     cut = balanced_cut(block_costs(net, (torch.zeros(1, 2), torch.zeros(1), torch.zeros(1, dtype=torch.long))), 2)
     stage0 = Stage(net, cut[0], True, False)
     sent = json.loads((tmp_path / "mesh" / "communication.json").read_text())["bytes_per_step"]

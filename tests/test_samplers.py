@@ -345,6 +345,7 @@ def test_networks_for_sampling_are_built_without_initialisation_or_importing_tor
     code = """
 import sys
 import torch
+from islands.conditions import network_spec
 from islands.config import validate
 from islands.generate import network_with_weights
 from islands.nets import build_network
@@ -355,9 +356,9 @@ for model, shape in [(dict(arch="unet", num_classes=4, channels=8, channel_mult=
                      (dict(arch="mlp", hidden=16, depth=2, num_classes=4), (3,))]:
     cfg = validate({"run_dir": ".", "model": model}).model
     torch.manual_seed(0)
-    weights = build_network(cfg, shape, 4).state_dict()
+    weights = build_network(network_spec(cfg, shape, 4)).state_dict()
     state = torch.get_rng_state()
-    net = network_with_weights(cfg, shape, 4, weights)
+    net = network_with_weights(network_spec(cfg, shape, 4), weights)
     assert torch.equal(torch.get_rng_state(), state), model["arch"]  # no global random numbers drawn
     assert all(torch.equal(a, weights[k]) for k, a in net.state_dict().items()) and not net.training
 assert "torch._dynamo" not in sys.modules

@@ -11,6 +11,7 @@ import yaml
 from conftest import emoji_or_skip, write_config
 
 from islands.cli import main
+from islands.conditions import SampleRequest, network_spec
 from islands.config import validate
 from islands.nets import build_network
 from islands.nets.condition import TextCondition, TextWidths, pack_text
@@ -44,7 +45,7 @@ NETWORKS = {"dit": {"arch": "dit", "hidden_size": 16, "depth": 2, "num_heads": 2
 def test_a_dropped_caption_is_the_learned_null_and_padding_is_never_read(arch):
     cfg = validate({"run_dir": ".", "model": {**NETWORKS[arch], "condition": "text", "text_width": 12,
                                               "text_pooled_width": 12, "text_tokens": 6}})
-    net = randomised(build_network(cfg.model, (3, 8, 8), 0))
+    net = randomised(build_network(network_spec(cfg.model, (3, 8, 8), 0)))
     x, t = torch.randn(2, 3, 8, 8), torch.rand(2)
     c = torch.cat([caption(6, 3, seed=1), caption(6, 6, seed=2)])
     # dropping a caption gives the network's own "none", whatever the caption was
@@ -112,8 +113,8 @@ def test_a_run_on_captions_is_text_conditioned_resumes_bit_identically_and_sampl
     capsys.readouterr()
     assert main(["sample", str(straight), "--num", "2", "--out", str(tmp_path / "c"), "--class", "1",
                  "--prompt", apple, "--quiet"]) == 2
-    assert capsys.readouterr().err.strip() == "islands: config error: --class: a sample is conditioned on a class " \
-                                              "or on a prompt, not both"
+    assert capsys.readouterr().err.strip() == f"islands: config error: --class: {straight} is not conditioned on a " \
+                                              "class (model.condition: text)"  # its kind reads --prompt only
 
 
 @pytest.mark.parametrize("change,message", [
@@ -210,7 +211,7 @@ def test_the_router_of_text_conditioned_experts_reads_the_caption(text_ensemble)
     cfg = load_config(root / "router" / "config.yaml")
     assert cfg.model.condition == "text"
     assert manifest["router"]["text_encoder_sha256"] == manifest["text_encoder_sha256"]
-    router = randomised(build_network(cfg.model, (3, 8, 8), 0))
+    router = randomised(build_network(network_spec(cfg.model, (3, 8, 8), 0)))
     assert not hasattr(router.condition, "tokens")  # the pooled vector only: no parameter it never uses
     x, t = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([0.3])
     apple, face = caption(16, 5, seed=1, width=384), caption(16, 5, seed=2, width=384)
@@ -242,7 +243,7 @@ def test_experts_over_two_ranks_draw_a_prompts_expert_from_the_condition_router(
     root, manifest = text_ensemble
     apple, face = "red apple, food and drink, food fruit", "grinning face, smileys and emotion, face smiling"
     sampler = open_sampler(root, routing="ancestral")
-    labels = sampler.prompted([apple, face], 6)
+    labels = sampler.conditions(6, SampleRequest(prompts=tuple([apple, face])))
     # the premise: for these prompts the router and the cluster sizes send some sample to different experts
     by_router = ancestral_clusters(manifest, sampler.cfg.seed, 0, 6, labels,
                                    condition_prior=load_condition_prior(root, manifest))
@@ -442,7 +443,7 @@ def test_guidance_moves_samples_toward_their_prompt(tmp_path, monkeypatch):
 
     def redness(prompt: str, guidance: float) -> float:
         sampler = open_run(run, {"guidance": guidance, "steps": 8, "solver": "heun"})
-        x = sampler.generate(16, sampler.prompted([prompt], 16))
+        x = sampler.generate(16, sampler.conditions(16, SampleRequest(prompts=tuple([prompt]))))
         return float((x[:, 0] - x[:, 2]).mean())  # red minus blue
 
     red1, blue1 = redness("a red square", 1.0), redness("a blue square", 1.0)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import random_images, tiny_unet
 
+from islands.conditions import network_spec
 from islands.config import load_config, validate
 from islands.data import streams
 from islands.data.batch import Batch
@@ -118,7 +119,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, image_npz):
     _, four = run("a4", accumulate=4)
     _, other_lr = run("lr", accumulate=1, lr=1e-3 * 1.01)
     torch.manual_seed(cfg.seed)
-    init = build_network(cfg.model, (1, 8, 8), 4).state_dict()
+    init = build_network(network_spec(cfg.model, (1, 8, 8), 4)).state_dict()
     # Adam normalises each gradient, so float summation order shows up at ~1e-3 of the distance travelled;
     # a 1% change of learning rate, for comparison, moves it by far more.
     assert _relative_distance(one, four, init) < 2e-3
@@ -263,7 +264,7 @@ def test_the_loader_draws_each_examples_noise_time_and_label_dropout_from_its_po
     assert torch.equal(batch.u_time, streams.uniform(cfg.seed, positions, "time"))
     assert torch.equal(batch.u_drop, streams.uniform(cfg.seed, positions, "label_drop"))
     objective = objectives.build_objective(cfg)
-    objective.prepare(build_network(cfg.model, (1, 8, 8), 4))
+    objective.prepare(build_network(network_spec(cfg.model, (1, 8, 8), 4)))
     bare = dataclasses.replace(batch, noise=None, u_time=None, u_drop=None)
     drawn, bare = objective.regression(batch), objective.regression(bare)
     inputs = drawn.inputs
@@ -283,7 +284,7 @@ def test_flop_count_equals_the_matmul_count_of_a_known_network():
 
     cfg = validate({"run_dir": "unused", "data": {"source": "gmm", "means": [[0.0, 0.0], [1.0, 1.0]]},
                     "model": {"arch": "mlp", "hidden": 32, "depth": 2}})
-    net = build_network(cfg.model, (2,), 0)
+    net = build_network(network_spec(cfg.model, (2,), 0))
     linear = {n: m.in_features * m.out_features for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
     expected = 6 * sum(linear.values()) - 2 * (linear["proj_in"] + linear["embed.time.mlp.0"])
     assert flops_per_image(cfg.model, (2,), 0, objectives.build_objective(cfg), micro_batch=8) == expected

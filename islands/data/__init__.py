@@ -42,9 +42,9 @@ def judged_on(source: Source) -> Source:
 def _build_source(cfg, seed: int) -> Source:
     if cfg.source == "gmm":
         return GMMSource(cfg.means, cfg.std, cfg.weights, size=cfg.size, seed=seed)
-    # the source's own keys
-    options = cfg.model_dump(exclude={"source", "flip", "workers", "partition", "cluster", "shards", "autoencoder",
-                                      "text_encoder", "order", "block", "window"})
+    from islands.config import COMMON_DATA_KEYS  # config reads the data's folders: not at import
+
+    options = cfg.model_dump(exclude={"source", *COMMON_DATA_KEYS})  # the source's own keys
     if cfg.source == "fashion_mnist" and options["path"] is None:
         del options["path"]  # the source's default place
     return build_source(cfg.source, **options)

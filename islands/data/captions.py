@@ -75,10 +75,8 @@ def open_run_text_encoder(cfg, sha256: str | None, device="cpu") -> TextEncoder:
 
 
 def condition_on_captions(cfg, run_dir: Path, source: Source, device="cpu", progress: bool = False) -> Source:
-    """`source` as a text-conditioned run reads it (each example with its caption's embedding: stored beside it in
-    shards, or encoded now), or as it is for any other condition."""
-    if cfg.model.condition != "text":
-        return source
+    """`source` as a text-conditioned run reads it: each example with its caption's embedding, stored beside it in
+    shards or encoded now (islands/conditions/text.py)."""
     if source.stored_captions is not None:
         return WithCaptionEmbeddings(source, None, _check_stored(cfg, run_dir, source.stored_captions))
     if not source.captioned:

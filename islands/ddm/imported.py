@@ -146,7 +146,7 @@ def _expert_model(folder: _Folder, expert: ExportedExpert, cfg) -> dict:
         if not isinstance(model, dict) or model.get("arch") != OWN_ARCH[class_name]:
             raise CheckpointError(f"{folder.root / INDEX}: {name} is a {class_name} without its islands_model")
         record = _member(model, folder.index)
-        arguments = OWN_NETWORK_ARGUMENTS[record.arch](record.config().model, tuple(record.shape), record.num_classes)
+        arguments = OWN_NETWORK_ARGUMENTS[record.arch](record.spec())
         arguments["text"] = None if arguments["text"] is None else vars(arguments["text"])
         given = {k: v for k, v in config.items() if not k.startswith("_") and k != "num_train_timesteps"}
         if json.loads(json.dumps(arguments)) != given:
@@ -201,12 +201,12 @@ def _imported_experts(folder: _Folder, cfg, building: Path) -> list[dict]:
     for k, expert in enumerate(index.experts):
         name = expert.folder  # expert_N (ExportedIndex)
         model = _expert_model(folder, expert, cfg)
-        model_cfg, shape = _member(model, index).config().model, tuple(index.shape)
+        spec = _member(model, index).spec()
         weights = [f"{name}/{file}" for file in ("diffusion_pytorch_model.safetensors", NULL_CAPTION)
                    if f"{name}/{file}" in folder.files]  # the null caption: the network's own "no caption"
-        _fits(folder, functools.partial(uninitialised_network, model_cfg, shape, index.num_classes, "meta"),
-              weights, f"{folder.root / name}/config.json")
-        net = uninitialised_network(model_cfg, shape, index.num_classes)
+        _fits(folder, functools.partial(uninitialised_network, spec, "meta"), weights,
+              f"{folder.root / name}/config.json")
+        net = uninitialised_network(spec)
         try:
             _load(net, folder, name)
         except (ValueError, RuntimeError) as err:
@@ -231,8 +231,8 @@ def _imported_router(folder: _Folder, cfg, building: Path) -> dict:
              "text_pooled_width": cfg.model.text_pooled_width, **{k: config[v] for k, v in ROUTER_ARGUMENTS.items()}}
     entry = MemberRecord(name="router", run="router", model=model, shape=folder.index.shape,
                          num_classes=config["num_classes"])
-    model_cfg = entry.config().model
-    _fits(folder, lambda: uninitialised_network(model_cfg, tuple(entry.shape), entry.num_classes, "meta"),
+    spec = entry.spec()
+    _fits(folder, lambda: uninitialised_network(spec, "meta"),
           ["router/diffusion_pytorch_model.safetensors"], f"{folder.root / 'router'}/config.json")
     weights = folder.weights("router/diffusion_pytorch_model.safetensors")
     try:

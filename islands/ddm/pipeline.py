@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from islands.conditions import condition_kind
 from islands.config import Config, ConfigError, load_config, revalidate
 from islands.data import build_data
-from islands.data.captions import condition_on_captions
 from islands.data.latents import open_data_space
 from islands.data.sources import CAPTION_EMBEDDING, Source, X
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, fit_condition_router, save_condition_router
@@ -78,10 +78,11 @@ def run_partition(cfg: Config, progress: bool = True) -> Partition:
     images = space.reference(source)
     features, seen, blocks = SeenThrough(Pixels(), space.examples_of), None, None
     if p.method == "kmeans" and p.features in ("text", "both"):  # what the captions say (and the images show)
-        if cfg.model.condition != "text":
+        kind = condition_kind(cfg.model)
+        if kind.field != CAPTION_EMBEDDING:
             raise ConfigError(f"ddm.partition.features: {p.features} clusters captions; model.condition is "
                               f"{cfg.model.condition!r}, not text")
-        seen = PooledCaptions(condition_on_captions(cfg, out, source), cfg.model.text_pooled_width)
+        seen = PooledCaptions(kind.source(cfg, out, source), cfg.model.text_pooled_width)
         features = CaptionVectors()
         if p.features == "both":
             seen = PixelsBesideCaptions(source, space.examples_of, seen)
@@ -104,7 +105,7 @@ class CaptionVectors(Pixels):
 
 class PooledCaptions(Source):
     """Each example as its caption's pooled embedding (`ddm.partition.features: text`), read from the embeddings a
-    text-conditioned run gives it (`condition_on_captions`), without reading the images."""
+    text-conditioned run gives it (its kind's `source`), without reading the images."""
 
     def __init__(self, conditioned: Source, width: int):
         self.source, self.shape, self.num_classes = conditioned, (width,), 0
@@ -240,10 +241,11 @@ def sample_and_evaluate(cfg: Config, routing: str = DEFAULT_ROUTING, progress: b
         # before the metrics call the mixture themselves
         sampling["evaluations"], sampling["router"] = mixture.evaluations, mixture.router_evaluations
 
-    prompts = evaluator.prompts(cfg.eval.num) if cfg.model.condition == "text" else None
-    batches = generated(sampler, cfg.eval.num, progress, seed=cfg.seed, prompts=prompts)
+    request = condition_kind(cfg.model).evaluation_request(evaluator, cfg.eval.num)
+    batches = generated(sampler, cfg.eval.num, progress, seed=cfg.seed, request=request)
     # the velocity error needs a field of (x, t); ancestral routing is one only along each sample's own path
-    result = evaluator(counted(batches), None if mixture.routing.needs_assignment else mixture, prompts)
+    result = evaluator(counted(batches), None if mixture.routing.needs_assignment else mixture,
+                       list(request.prompts) or None)
     result["seconds_per_sample"] = sampling["seconds"] / cfg.eval.num
     result["expert_evaluations_per_sample"] = sampling["evaluations"] / cfg.eval.num
     result["router_evaluations_per_sample"] = sampling["router"] / cfg.eval.num
@@ -284,7 +286,7 @@ def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) ->
     monolith = evaluate_sampler(evaluator, sampler, cfg.eval.num, progress, seed=cfg.seed, clock=clock)
     monolith["seconds_per_sample"] = clock["seconds"] / cfg.eval.num
     monolith["expert_evaluations_per_sample"] = evaluations_per_sample(
-        cfg.sample.solver, cfg.sample.steps, cfg.sample.guidance if cfg.model.condition != "none" else 1.0)
+        cfg.sample.solver, cfg.sample.steps, cfg.sample.guidance if condition_kind(cfg.model).field else 1.0)
     ensemble = {**ensemble, "training_flops": ensemble_training_flops(cfg)}
     monolith["training_flops"] = training_flops(Path(mono.run_dir))
     subject = f"monolith images={int(latest_checkpoint(Path(mono.run_dir)).name)}"
@@ -323,11 +325,11 @@ def build_ensemble(cfg: Config, jobs: int = 1, progress: bool = True) -> dict:
 def run_condition_router(cfg: Config) -> Path | None:
     """ENSEMBLE/condition_router of a text-conditioned ensemble, p(cluster | text) from the partition and every
     caption's pooled embedding (once; None for any other condition)."""
-    folder = ensemble_dir(cfg) / ROUTER_FOLDER
-    if cfg.model.condition != "text" or (folder / ROUTER_REPORT).exists():
-        return folder if cfg.model.condition == "text" else None
+    folder, kind = ensemble_dir(cfg) / ROUTER_FOLDER, condition_kind(cfg.model)
+    if kind.field != CAPTION_EMBEDDING or (folder / ROUTER_REPORT).exists():
+        return folder if kind.field == CAPTION_EMBEDDING else None
     made = Partition.load(partition_dir(cfg))
-    captions = condition_on_captions(cfg, partition_dir(cfg), whole_data(cfg))  # encoded once, or as stored
+    captions = kind.source(cfg, partition_dir(cfg), whole_data(cfg))  # encoded once, or as stored
     width, n = cfg.model.text_pooled_width, len(captions)
     pooled = torch.cat([PooledCaptions(captions, width).get(range(lo, min(n, lo + 4096)))[0]
                         for lo in range(0, n, 4096)])

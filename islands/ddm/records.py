@@ -185,6 +185,12 @@ class MemberRecord(Record):
 
         return validate({"run_dir": ".", "model": self.model})
 
+    def spec(self):
+        """What this member's network is built for (islands.nets.NetworkSpec)."""
+        from islands.conditions import network_spec
+
+        return network_spec(self.config().model, self.shape, self.num_classes)
+
     def network(self, weights: dict, device):
         """The network this record describes, holding `weights`; built only as large as they are (an ensemble
         folder copied from elsewhere may name any size), checked on the meta device first."""
@@ -192,11 +198,9 @@ class MemberRecord(Record):
         from islands.nets import build_network
         from islands.untrusted import check_fits
 
-        model_cfg = self.config().model
-        shape, classes = tuple(self.shape), self.num_classes
-        check_fits(lambda: build_network(model_cfg, shape, classes), sum(w.numel() for w in weights.values()),
-                   f"the model of {self.name}")
-        return network_with_weights(model_cfg, shape, classes, weights, device)
+        spec = self.spec()
+        check_fits(lambda: build_network(spec), sum(w.numel() for w in weights.values()), f"the model of {self.name}")
+        return network_with_weights(spec, weights, device)
 
 
 class ConditionRouterRecord(Record):

@@ -4,6 +4,7 @@
 import functools
 from pathlib import Path
 
+from islands.conditions import NO_REQUEST, SampleRequest
 from islands.config import load_config
 from islands.data.captions import recorded_text_encoder
 from islands.data.latents import open_data_space
@@ -58,14 +59,15 @@ def open_ensemble(root: Path, options: dict | None = None, routing: str = DEFAUL
                    manifest.text_encoder_sha256)
 
 
-def sample_to_folder(target: Path, out: Path, num: int, options: dict | None = None, prompts: list[str] = (),
-                     class_label: int | None = None, seed: int | None = None, routing: str | None = None,
+def sample_to_folder(target: Path, out: Path, num: int, options: dict | None = None,
+                     request: SampleRequest = NO_REQUEST, seed: int | None = None, routing: str | None = None,
                      max_loaded: int | None = None, use_ema: bool = True, distributed: bool = False,
                      progress: bool = True) -> list[str]:
     """`islands sample` as a function: `num` samples of a run, range experts or an ensemble (`target`) written to
     `out` (new, empty, or one it wrote before): samples.npz, its picture and, drawn for prompts (sample i for prompt
-    i mod P), prompts.txt. `distributed`: under torchrun, the experts (or range experts) spread over the ranks. Returns
-    what it says to people: the files written and what the sampling cost."""
+    i mod P), prompts.txt. `request`: what they are conditioned on (the run's kind reads it, and refuses another
+    kind's). `distributed`: under torchrun, the experts (or range experts) spread over the ranks. Returns what it says
+    to people: the files written and what the sampling cost."""
     target, out = Path(target), Path(out)
     check_samples_folder(out)
     if distributed and not ((target / MANIFEST).exists() or (target / "tstages").is_dir()):
@@ -73,13 +75,11 @@ def sample_to_folder(target: Path, out: Path, num: int, options: dict | None = N
                           "timestep-range experts (no tstages/)")
     sampler = open_sampler(target, options, use_ema=use_ema, routing=routing, max_loaded=max_loaded)
     check_sample_count(num, sampler.shape)
-    if prompts and class_label is not None:
-        raise ConfigError("--class: a sample is conditioned on a class or on a prompt, not both")
-    labels = sampler.prompted(list(prompts), num) if prompts else sampler.labels(num, class_label)
+    labels, prompts = sampler.conditions(num, request), list(request.prompts)
     seed = sampler.cfg.seed if seed is None else seed
     if distributed:  # under torchrun: each rank holds some of the experts, or one range expert
-        return _sample_distributed(sampler, out, num, seed, labels, list(prompts))
-    said = _write(sampler.generate(num, labels, seed, progress=progress), labels, list(prompts), out)
+        return _sample_distributed(sampler, out, num, seed, labels, prompts)
+    said = _write(sampler.generate(num, labels, seed, progress=progress), labels, prompts, out)
     if sampler.manifest is not None:
         opts = sampler.opts
         one_model = evaluations_per_sample(opts.solver, opts.steps, opts.guidance if labels is not None else 1.0)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from islands.conditions import NO_REQUEST, SampleRequest, condition_kind
 from islands.config import MIN_SAMPLES, ConfigError, EvalConfig, SampleConfig, revalidate
 from islands.data import build_data, judged_on
 from islands.data.gmm import GMMSource
@@ -233,29 +234,30 @@ class Evaluator:
 
 
 def generated(sampler: Sampler, num: int, progress: bool = False, device="cpu", seed: int | None = None,
-              prompts: list[str] | None = None):
+              request: SampleRequest = NO_REQUEST):
     """Batches of (samples, conditions) on the CPU from the per-sample noise stream of `seed` (the run's if None),
-    every class in turn (or, for a text-conditioned run, `prompts` in turn), drawn on `device`; images clamped to the
-    data range."""
-    labels = sampler.labels(num) if prompts is None else sampler.prompted(prompts, num)
+    drawn on `device` for the conditions `request` asks of the run's kind (by default every class in turn);
+    images clamped to the data range."""
+    conditions = sampler.conditions(num, request)
     bar = tqdm(total=num, unit="sample", disable=not progress, desc="sampling")
     for lo in range(0, num, sampler.opts.batch_size):
         n = min(sampler.opts.batch_size, num - lo)
-        batch_labels = None if labels is None else labels[lo:lo + n]
-        x = sampler.generate(n, batch_labels, seed, first=lo, device=device)
+        batch_conditions = None if conditions is None else conditions[lo:lo + n]
+        x = sampler.generate(n, batch_conditions, seed, first=lo, device=device)
         bar.update(n)
-        yield (x.clamp(-1, 1) if len(sampler.shape) == 3 else x), batch_labels
+        yield (x.clamp(-1, 1) if len(sampler.shape) == 3 else x), batch_conditions
     bar.close()
 
 
 def evaluate_sampler(evaluator: Evaluator, sampler: Sampler, num: int, progress: bool = False, device="cpu",
                      seed: int | None = None, clock: dict | None = None) -> dict:
-    """`num` samples of `sampler` scored by `evaluator`: a text-conditioned model's drawn for the evaluator's
-    prompts, so that prompt following is measured too; `clock` (given) gets the seconds spent sampling."""
-    text = sampler.cfg.model.condition == "text"
-    prompts = evaluator.prompts(num) if text else None
-    batches = generated(sampler, num, progress, device, seed, prompts)
-    return evaluator(batches if clock is None else timed(batches, clock), sampler.denoiser, prompts=prompts)
+    """`num` samples of `sampler` scored by `evaluator`, drawn for what the run's condition kind asks of the data (a
+    text-conditioned model's for the evaluator's prompts, so that prompt following is measured too); `clock` (given)
+    gets the seconds spent sampling."""
+    request = condition_kind(sampler.cfg.model).evaluation_request(evaluator, num)
+    batches = generated(sampler, num, progress, device, seed, request)
+    return evaluator(batches if clock is None else timed(batches, clock), sampler.denoiser,
+                     prompts=list(request.prompts) or None)
 
 
 def timed(batches, clock: dict):

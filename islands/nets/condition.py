@@ -1,7 +1,10 @@
 """What a network is conditioned on, and how it takes it: the network owns its condition's embedding, its "none"
 and how a dropped condition reads, so that the data, the objectives and the samplers pass a condition along without
 knowing its kind: a class index (`ClassCondition`) or a caption's embedding (`TextCondition`, packed into one tensor
-by `pack_text`).
+by `pack_text`). Every condition module answers the same four questions (`NetworkCondition`): what it adds to the
+time embedding (`embed`), what cross-attention reads (`context`), which channels join the input (`inputs`,
+`channels`), and what "none" is (`null`, `drop`); a network asks them without knowing the kind. The kinds as a whole
+(their data, sampling requests, records) are islands/conditions/.
 
 Dropping is drawn by the objective from each example's stream (reproducible and resumable, DESIGN.md section 3);
 it asks the network's condition module what a dropped condition is (`drop`), so the network itself stays
@@ -15,7 +18,26 @@ import torch
 from torch import Tensor, nn
 
 
-class ClassLabels:
+class NetworkCondition:
+    """The questions a network asks its condition module; the answers here are those of a condition that adds to the
+    time embedding only (a class, a caption's pooled vector)."""
+
+    channels = 0  # channels the condition adds to the network's input
+
+    def embed(self, condition: Tensor | None, batch: int, device) -> Tensor | None:
+        """(batch, hidden_size), added to the time embedding; None: nothing."""
+        return None
+
+    def context(self, condition: Tensor | None, batch: int, device) -> tuple:
+        """What cross-attention reads; () for nothing."""
+        return ()
+
+    def inputs(self, x: Tensor, condition: Tensor | None) -> Tensor:
+        """The network's input: the noisy example, with the condition's channels after it where it has some."""
+        return x
+
+
+class ClassLabels(NetworkCondition):
     """A class index in [0, num_classes), and `num_classes` for none: what a network that embeds its classes itself
     (a diffusers network, islands/nets/diffusers_net.py) is told."""
 
@@ -78,7 +100,7 @@ class TextWidths:
     tokens: int
 
 
-class PackedCaption:
+class PackedCaption(NetworkCondition):
     """What every reader of a packed caption (`pack_text`) shares: its "none", its dropout, and the caption's parts
     with a dropped one's replaced by the learned null (a pooled vector and one token, PixArt-alpha's learned
     `y_embedding`), not the empty caption's embedding, so that the network alone knows what "none" is and sampling
@@ -170,10 +192,19 @@ class TextNull(PackedCaption, nn.Module):
             self.null_token = nn.Parameter(torch.zeros(widths.width))
 
 
+def network_condition(hidden_size: int, num_classes: int = 0, text: TextWidths | None = None,
+                      text_tokens: bool = True, channels: int = 0) -> NetworkCondition | None:
+    """The condition module of a network of width `hidden_size` built for these arguments (its constructor's, which
+    the export records: `channels` are those of a condition laid out as the example); None: unconditional."""
+    if text is not None:
+        return TextCondition(text, hidden_size, text_tokens)
+    return ClassCondition(num_classes, hidden_size) if num_classes > 0 else None
+
+
 class Conditioned:
     """A network whose `embed` (islands.nets.layers.ConditionEmbedder) holds its condition module."""
 
     @property
-    def condition(self) -> ClassCondition | TextCondition | None:
+    def condition(self) -> NetworkCondition | None:
         """How this network embeds and drops its condition; None for an unconditional network."""
         return self.embed.condition

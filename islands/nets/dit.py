@@ -144,7 +144,7 @@ class DiT(Conditioned, StagedNetwork):
     stem_modules, head_modules = ("x_embedder", "embed"), ("final_layer",)
 
     def __init__(self, input_size, in_channels, patch_size=2, hidden_size=384, depth=12, num_heads=6,
-                 mlp_ratio=4.0, num_classes=0, text: TextWidths | None = None):
+                 mlp_ratio=4.0, num_classes=0, text: TextWidths | None = None, condition_channels: int = 0):
         super().__init__()
         if input_size % patch_size:
             raise ValueError(f"input_size ({input_size}) must be divisible by patch_size ({patch_size})")
@@ -158,8 +158,10 @@ class DiT(Conditioned, StagedNetwork):
         self.grid_size = input_size // patch_size
         self.num_classes = num_classes
 
-        self.x_embedder = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size)
-        self.embed = ConditionEmbedder(hidden_size, num_classes, text=text)
+        # a condition laid out as the example (a low-resolution image) joins the input's channels
+        self.x_embedder = nn.Conv2d(in_channels + condition_channels, hidden_size, kernel_size=patch_size,
+                                    stride=patch_size)
+        self.embed = ConditionEmbedder(hidden_size, num_classes, text=text, condition_channels=condition_channels)
         # Fixed, not learned. A persistent buffer, so loading a checkpoint restores it even
         # when the model was built on the meta device.
         self.register_buffer("pos_embed", torch.zeros(1, self.grid_size ** 2, hidden_size))
@@ -207,7 +209,7 @@ class DiT(Conditioned, StagedNetwork):
         # The residual stream keeps the patch embedding's dtype: under bf16 autocast an fp32 pos_embed would promote
         # it to fp32 and every block's casts, norms and modulation with it; a bf16 stream made a training step 1.10x
         # faster with the same loss curve (docs/BENCHMARKS.md, networks).
-        x = self.x_embedder(x).flatten(2).transpose(1, 2)  # (B, T, D)
+        x = self.x_embedder(self.embed.inputs(x, cond)).flatten(2).transpose(1, 2)  # (B, T, D)
         x = x + self.pos_embed.to(x.dtype)
         context = self.embed.context(cond, x.shape[0], x.device)  # a caption's tokens and mask; () for a class
         return x, self.embed(t, cond), *context

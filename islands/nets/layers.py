@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn as nn
 
-from islands.nets.condition import ClassCondition, TextCondition, TextWidths
+from islands.nets.condition import NetworkCondition, TextWidths, network_condition
 
 
 def timestep_embedding(t, dim, max_period=10000):
@@ -43,29 +43,37 @@ class TimestepEmbedder(nn.Module):
 
 class ConditionEmbedder(nn.Module):
     """Time embedding plus the condition's embedding (ADM / DiT sum them): a class's when num_classes > 0, a
-    caption's pooled vector given `text` (SD3 adds it to the timestep's the same way)."""
+    caption's pooled vector given `text` (SD3 adds it to the timestep's the same way); what else the condition gives
+    (cross-attention's context, input channels) its module says (islands/nets/condition.py)."""
 
     def __init__(self, hidden_size, num_classes=0, frequency_size=256, text: TextWidths | None = None,
-                 text_tokens: bool = True):
+                 text_tokens: bool = True, condition_channels: int = 0):
         super().__init__()
         self.time = TimestepEmbedder(hidden_size, frequency_size)
         # named `label` in the checkpoints of every run so far (embed.label.embedding_table.weight)
-        self.label = (TextCondition(text, hidden_size, text_tokens) if text is not None else
-                      ClassCondition(num_classes, hidden_size) if num_classes > 0 else None)
+        self.label = network_condition(hidden_size, num_classes, text, text_tokens, condition_channels)
 
     @property
-    def condition(self) -> ClassCondition | TextCondition | None:
+    def condition(self) -> NetworkCondition | None:
         return self.label
+
+    @property
+    def channels(self) -> int:
+        """Input channels the condition adds."""
+        return 0 if self.label is None else self.label.channels
 
     def forward(self, t, cond=None):
         emb = self.time(t)
-        if self.label is not None:
-            emb = emb + self.label.embed(cond, t.shape[0], t.device)
-        return emb
+        added = None if self.label is None else self.label.embed(cond, t.shape[0], t.device)
+        return emb if added is None else emb + added
 
     def context(self, cond, batch: int, device) -> tuple:
         """What cross-attention reads: a caption's (tokens, mask); () for any other condition."""
-        return self.label.context(cond, batch, device) if isinstance(self.label, TextCondition) else ()
+        return () if self.label is None else self.label.context(cond, batch, device)
+
+    def inputs(self, x, cond):
+        """The network's input: x, and the condition's channels where it has some."""
+        return x if self.label is None else self.label.inputs(x, cond)
 
 
 def modulate(x, shift, scale):

@@ -140,16 +140,18 @@ class UNet(Conditioned, StagedNetwork):
 
     def __init__(self, in_channels, resolution, channels=64, channel_mult=(1, 2, 2), num_res_blocks=2,
                  attention_resolutions=(16,), num_heads=4, dropout=0.0, num_classes=0,
-                 text: TextWidths | None = None):
+                 text: TextWidths | None = None, condition_channels: int = 0):
         super().__init__()
         self.num_classes = num_classes
         self.input_shape = (in_channels, resolution, resolution)
         emb_dim = 4 * channels
-        self.embed = ConditionEmbedder(emb_dim, num_classes, frequency_size=channels, text=text)
+        self.embed = ConditionEmbedder(emb_dim, num_classes, frequency_size=channels, text=text,
+                                       condition_channels=condition_channels)
         # a caption's tokens, projected to emb_dim by the condition module, read where there is self-attention
         context = emb_dim if text is not None else None
         self.reads_text = text is not None
-        self.conv_in = nn.Conv2d(in_channels, channels, 3, padding=1)
+        # a condition laid out as the example (a low-resolution image) joins the input's channels
+        self.conv_in = nn.Conv2d(in_channels + condition_channels, channels, 3, padding=1)
 
         # Feature-map side at each level: a stride-2 conv maps n to (n + 1) // 2.
         level_res = [resolution]
@@ -185,7 +187,7 @@ class UNet(Conditioned, StagedNetwork):
         self.conv_out = zero_module(nn.Conv2d(ch, in_channels, 3, padding=1))
 
     def stem(self, x, t, cond=None):
-        h = self.conv_in(x)
+        h = self.conv_in(self.embed.inputs(x, cond))
         context = self.embed.context(cond, x.shape[0], x.device)  # a caption's tokens and mask; () otherwise
         return h, self.embed(t, cond), *context, h
 

@@ -25,6 +25,7 @@ from pydantic import TypeAdapter
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from islands.conditions import network_spec
 from islands.config import ModelConfig
 from islands.nets import build_network
 from islands.parallel.launch import close_world, init_world
@@ -54,7 +55,7 @@ def described_network(path: str) -> tuple[nn.Module, tuple]:
     """The network and a batch of random inputs that NETWORK.json describes."""
     spec = json.loads(Path(path).read_text())
     model = TypeAdapter(ModelConfig).validate_python(spec["model"])
-    net = build_network(model, tuple(spec["shape"]), spec["classes"])
+    net = build_network(network_spec(model, spec["shape"], spec["classes"]))
     batch = spec["batch"]
     labels = torch.randint(0, spec["classes"], (batch,)) if spec["classes"] else None
     return net, (torch.randn(batch, *spec["shape"]), torch.rand(batch), labels)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from islands.conditions import network_spec
 from islands.nets import build_network
 from islands.parallel.build import strategy_class
 from islands.parallel.costs import LOCAL, carry_bytes, ddp_buckets, dense_bytes
@@ -75,7 +76,7 @@ class Planner:
         self.batch, self.images = cfg.train.batch_size, cfg.train.images
         self.steps = math.ceil(self.images / self.batch)
         with torch.device("meta"):
-            self.net = build_network(cfg.model, self.shape, num_classes)
+            self.net = build_network(network_spec(cfg.model, self.shape, num_classes))
         self.params = sum(p.numel() for p in self.net.parameters())
         self.buckets = ddp_buckets(self.net)  # DDP's all-reduces a step
         micro = max(1, self.batch // self.W // cfg.train.accumulate)

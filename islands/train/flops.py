@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from islands.conditions import network_spec
 from islands.data.batch import Batch
 from islands.nets import build_network
 from islands.nets.condition import PackedCaption
@@ -34,7 +35,7 @@ def flops_per_image(model, shape: tuple, num_classes: int, objective, micro_batc
 def _replay(model, shape, num_classes, objective, micro_batch, checkpointing, device) -> float:
     with torch.random.fork_rng():
         with device:
-            net = build_network(model, shape, num_classes)
+            net = build_network(network_spec(model, shape, num_classes))
         if checkpointing:
             checkpoint_blocks(net)
         objective = copy.copy(objective)  # prepared for this copy of the network, the caller's left as it was

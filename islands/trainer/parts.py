@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
+from islands.conditions import condition_kind, network_spec
 from islands.config import Config
 from islands.data import ClusterSubset, build_data, data_name
-from islands.data.captions import condition_on_captions, record_text_encoder
+from islands.data.captions import record_text_encoder
 from islands.data.clusters import read_clusters
 from islands.data.latents import open_data_space, record_data_space
-from islands.data.sources import CAPTION_EMBEDDING, LABEL, Source
+from islands.data.sources import LABEL, Source
 from islands.data.space import PIXELS, DataSpace
 from islands.errors import CheckpointError, ConfigError, DataError, IslandsWarning, TamperedCheckpoint, config_errors
 from islands.generate import network_with_weights
@@ -75,8 +76,9 @@ class Parts:
 
     @property
     def condition_field(self) -> str:
-        """The field of an example the network is conditioned on: a caption's embedding, or its class."""
-        return CAPTION_EMBEDDING if self.cfg.model.condition == "text" else LABEL
+        """The field of an example the network is conditioned on (its kind's; an unconditional run's batches carry
+        the label, which no network reads)."""
+        return condition_kind(self.cfg.model).field or LABEL
 
     def held_state(self) -> dict:
         """What each rank holds: its shards under FSDP, its optimizer partition under ZeRO-1, its stages' under a
@@ -162,7 +164,8 @@ class Parts:
         weights = self.strategy.layout.full_state_dict((self.ema if self.ema is not None else self.net).state_dict())
         if not self.main:
             return None
-        return network_with_weights(self.cfg.model, self.shape, self.num_classes, weights, self.world.device)
+        return network_with_weights(network_spec(self.cfg.model, self.shape, self.num_classes), weights,
+                                    self.world.device)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -215,7 +218,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
             raise ConfigError(f"data.shards: {cfg.data.shards} has {int(clusters.max()) + 1} clusters for "
                               f"{len(schedule.batches)} replicas")
         source = ClusterSubset(source, clusters, replica)
-    source = condition_on_captions(cfg, run_dir, source, world.device)  # model.condition text: caption embeddings
+    source = condition_kind(cfg.model).source(cfg, run_dir, source, world.device)  # holding the condition's field
     shape, num_classes = tuple(source.shape), cfg.model.num_classes
     with config_errors("data.autoencoder"):  # a latent run's network learns the latents of the images
         shape = space.example_shape(shape)
@@ -223,7 +226,7 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
         raise ConfigError(f"model.num_classes: {num_classes} does not match the data's {source.num_classes} classes")
 
     with config_errors("model"):
-        net = build_network(cfg.model, shape, num_classes).to(world.device)
+        net = build_network(network_spec(cfg.model, shape, num_classes)).to(world.device)
     pretrained = None  # the sha256 of a diffusers folder's weights the run starts from
     if getattr(cfg.model, "pretrained", None) and latest_checkpoint(run_dir) is None:
         from islands.nets.diffusers_net import load_pretrained

@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from islands.conditions import ConditionKind, condition_kind
 from islands.config import Config, EvalConfig
 from islands.data import judged_on, streams
 from islands.data.batch import Batch
 from islands.data.posterior import EXACT_POSTERIOR_LIMIT, exact_cluster_posterior
 from islands.data.shards import skipped_examples
-from islands.data.sources import CLUSTER, Source, X
+from islands.data.sources import CLUSTER, LABEL, Source, X
 from islands.data.space import PIXELS, DataSpace
 from islands.eval.evaluate import Evaluator, evaluate_sampler, refuse_untrusted_features
 from islands.generate import Sampler, run_sample_options
@@ -187,9 +188,10 @@ class Checkpointer(Reporter):
 class SampleGrid(Reporter):
     """A picture of samples of the averaged weights: a grid of images, or a scatter of vectors over the data."""
 
-    def __init__(self, every: int, folder: Folder, weights: Weights, examples: Examples, num: int, captioned: bool):
+    def __init__(self, every: int, folder: Folder, weights: Weights, examples: Examples, num: int,
+                 kind: ConditionKind):
         self.every, self.folder, self.weights, self.examples = every, folder, weights, examples
-        self.num, self.captioned = num, captioned  # captioned: a text-conditioned run draws for captions
+        self.num, self.kind = num, kind
 
     def report(self, step: Step) -> None:
         w, source = self.weights, self.examples.source
@@ -198,12 +200,11 @@ class SampleGrid(Reporter):
             return
         num = min(self.num, 64 if len(w.shape) == 3 else 2000)  # a legible grid, or a dense scatter
         sampler = w.sampler(plain)
-        # a text-conditioned run draws for the captions of its first examples (a class run: every class in turn)
+        # drawn for the conditions of the first examples (a caption's) where the kind says so, else as `islands
+        # sample` draws them (every class in turn)
         first = [i % len(source) for i in range(num)]
-        captions = source.captions(first) if self.captioned else None
-        field = self.examples.condition_field
-        labels = source.read(first, (field,))[field] if captions else sampler.labels(num)
-        x = sampler.generate(num, labels, device=w.device)
+        condition, captions = self.kind.first_examples(source, first) if self.kind.grid_from_data else (None, None)
+        x = sampler.generate(num, sampler.conditions(num) if condition is None else condition, device=w.device)
         reference = source.get(list(range(min(len(source), 2000))))[0] if len(w.shape) == 1 else None
         images = step.progress.images
         save_samples_picture(x, self.folder.run_dir / "samples" / f"{images:012d}.png", reference, f"{images} images",
@@ -251,9 +252,9 @@ class RouterAccuracy(Reporter):
     cluster posterior: router_accuracy.json and its plot."""
 
     def __init__(self, every: int, folder: Folder, weights: Weights, examples: Examples, outputs: int,
-                 captioned: bool):
+                 by_class: bool):
         self.every, self.folder, self.weights, self.examples = every, folder, weights, examples
-        self.outputs, self.captioned = outputs, captioned  # the router's clusters; whether it sees captions
+        self.outputs, self.by_class = outputs, by_class  # the router's clusters; whether it sees a class or nothing
         self.exact = None
 
     def report(self, step: Step) -> None:
@@ -266,7 +267,7 @@ class RouterAccuracy(Reporter):
         # the exact posterior is over the examples themselves: not one draw of their latents, which the router sees
         small = len(source) * math.prod(w.shape) <= EXACT_POSTERIOR_LIMIT
         # and of a class or nothing: a caption has no exact posterior over these examples to compare with
-        if self.exact is None and small and examples.space == PIXELS and not self.captioned:
+        if self.exact is None and small and examples.space == PIXELS and self.by_class:
             self.exact = exact_cluster_posterior(source, self.outputs, w.num_classes)
         report = {"images": step.progress.images, **w.objective.report_by_t(plain, probe, self.exact)}
         atomic_write_text(run_dir / "router_accuracy.json", json.dumps(report, indent=1))
@@ -312,16 +313,16 @@ def build_reporters(parts: Parts, initial: int, total: int, progress: bool) -> l
     examples = Examples(parts.source, parts.condition_field, parts.space, cfg.seed, world.device)
     weights = Weights(parts.plain_copy, parts.objective, cfg, parts.shape, parts.num_classes, parts.space,
                       world.device)
-    captioned = cfg.model.condition == "text"
+    kind = condition_kind(cfg.model)
     reporters = [MetricsLog(cfg.train.log_every, folder, world, parts.strategy.communicates, parts.source, initial,
                             total, progress),
                  Checkpointer(cfg.train.checkpoint_every, parts.save_checkpoint,
                               lambda: parts.strategy.layout.check_consistency(parts.net), world.barrier)]
     # what each kind of run reports beside its log and checkpoints (an objective's `produces`)
     products = {
-        "denoiser": lambda: [SampleGrid(cfg.train.sample_every, folder, weights, examples, cfg.sample.num, captioned),
+        "denoiser": lambda: [SampleGrid(cfg.train.sample_every, folder, weights, examples, cfg.sample.num, kind),
                              *([Evaluation(folder, weights, examples, cfg.eval, cfg.seed)] if cfg.eval.every else [])],
         "router": lambda: [RouterAccuracy(cfg.train.sample_every, folder, weights, examples, cfg.model.outputs,
-                                          captioned)],
+                                          kind.field in (None, LABEL))],
         "autoencoder": lambda: [AutoencoderExport(cfg.train.checkpoint_every, folder, weights, examples)]}
     return reporters + products[parts.objective.produces]()
