@@ -14,6 +14,7 @@ import torch
 import yaml
 from test_parallel import final_weights, launch_ranks, mlp_config, relative_difference
 
+from islands.cli import main
 from islands.config import validate
 from islands.parallel.launch import free_port
 from islands.rundir import latest_checkpoint
@@ -139,3 +140,43 @@ def test_a_node_that_dies_stops_the_other_and_a_relaunch_resumes_exactly(tmp_pat
     assert all(r.returncode == 0 for r in launch_ranks(2, straight, tmp_path))
     a, b = final_weights(cfg["run_dir"]), final_weights(straight["run_dir"])
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def written_by_two_nodes(command: list[str], tmp_path) -> list[str]:
+    agents = start_agents(["-m", "islands", *command], tmp_path, free_port())
+    said = finish(agents, TIMEOUT_S)
+    assert [a.returncode for a in agents] == [0, 0], [s[-3000:] for s in said]
+    return said
+
+
+def same_files(one, two) -> None:
+    names = sorted(p.name for p in one.iterdir())
+    assert names == sorted(p.name for p in two.iterdir()) and len(names) == 22  # 7 tars, indices, sha256s, manifest
+    for name in names:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+
+
+def test_islands_shard_on_two_nodes_writes_the_bytes_one_process_writes(tmp_path, image_npz):
+    from conftest import write_config
+
+    config = write_config(tmp_path / "c.yaml", {"run_dir": str(tmp_path / "run"),
+                                                "data": {"source": "npz", "path": str(image_npz)}})
+    args = ["--shard-size", "10", "--quiet"]
+    assert main(["shard", config, str(tmp_path / "one"), *args]) == 0
+    written_by_two_nodes(["shard", config, str(tmp_path / "two"), *args], tmp_path)
+    same_files(tmp_path / "one", tmp_path / "two")
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_islands_encode_on_two_nodes_writes_the_bytes_one_process_writes(tmp_path, image_npz):
+    from conftest import run_ranks, write_config
+    from test_latents import saved_vae
+
+    vae = saved_vae(tmp_path / "vae")
+    config = write_config(tmp_path / "c.yaml", {"run_dir": str(tmp_path / "run"),
+                                                "data": {"source": "npz", "path": str(image_npz), "flip": True}})
+    args = ["--autoencoder", str(vae), "--shard-size", "10", "--batch-size", "4", "--quiet"]
+    # one process as each rank runs (one thread: a convolution's float sums follow the thread count)
+    assert run_ranks(["encode", config, str(tmp_path / "one"), *args], nproc=1, timeout=TIMEOUT_S)[0].returncode == 0
+    written_by_two_nodes(["encode", config, str(tmp_path / "two"), *args], tmp_path)
+    same_files(tmp_path / "one", tmp_path / "two")
