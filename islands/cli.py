@@ -63,10 +63,10 @@ def _sample(args) -> int:
         torch.set_num_threads(args.threads)
     options = {"steps": args.steps, "solver": args.solver, "grid": args.grid, "guidance": args.guidance,
                "batch_size": args.batch_size, "precision": args.precision}
-    request = SampleRequest(class_label=args.class_label, prompts=tuple(_prompts(args)))
+    request = SampleRequest(class_label=args.class_label, prompts=tuple(_prompts(args)), images=args.condition_image)
     for line in sample_to_folder(Path(args.run_dir), Path(args.out), args.num, options, request,
                                  args.seed, args.routing, args.max_loaded, not args.no_ema,
-                                 args.distributed, progress=not args.quiet):
+                                 args.distributed, progress=not args.quiet, then=[Path(run) for run in args.then]):
         print(line)
     return 0
 
@@ -315,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="text-conditioned models: sample for this prompt (repeatable; "
                    "samples take the prompts in turn; OUT/prompts.txt says which)")
     p.add_argument("--prompt-file", help="text-conditioned models: a file of prompts, one a line")
+    p.add_argument("--condition-image", help="image-conditioned models (super-resolution): an image, or a folder of "
+                   "them; samples take them in turn")
+    p.add_argument("--then", action="append", default=[], metavar="RUN", help="a cascade: the samples are the "
+                   "condition images of RUN, an image-conditioned run, whose samples are written (repeatable)")
     p.add_argument("--batch-size", type=int, help="samples per batch; does not change the samples")
     p.add_argument("--precision", choices=_choices("precision"),
                    help="bf16: the networks under bf16 autocast, the solver in fp32; 1.4-1.5x faster on a CPU with "

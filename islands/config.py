@@ -41,6 +41,8 @@ class _Data(Section):
     # latent diffusion: an AutoencoderKL folder (config.json + diffusion_pytorch_model.safetensors, a user's SD VAE or
     # RUN/autoencoder of our own); each batch is encoded before the objective and samples are decoded
     autoencoder: str | None = None
+    # model.condition image: the side of the low-resolution condition, area-averaged from each example
+    condition_resolution: int | None = Field(None, gt=0)
     # a text-conditioned run's captions encoder: "minilm" (MiniLM-L6, bundled in the `text` extra) or a folder of a
     # transformers text model (CLIP's, T5's, ...; islands/nets/text_folder.py)
     text_encoder: str = "minilm"
@@ -214,7 +216,7 @@ class _Model(Section):
     num_classes: int = Field(0, ge=0)  # 0: unconditional; else must match the data's labels
     # what the network is conditioned on; None: a class with num_classes, else a caption where the data has captions
     # (data.source emoji, or shards with captions) and the network reads text (dit), else nothing
-    condition: Literal["none", "class", "text"] | None = None
+    condition: Literal["none", "class", "text", "image"] | None = None
     # text: the most tokens of a caption (longer ones are cut), and the encoder's widths (None: its config's)
     text_tokens: int = Field(32, gt=0)
     text_width: int | None = Field(None, gt=0)

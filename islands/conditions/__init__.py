@@ -7,12 +7,13 @@ Islands asks which kind a run has: it asks the run's kind (`condition_kind`).
 A new kind is a file here with a `ConditionKind` subclass, one line in `KINDS`, and its network module."""
 
 from islands.conditions.classes import ClassKind
+from islands.conditions.image import ImageKind
 from islands.conditions.kind import NO_REQUEST, ConditionKind, SampleRequest
 from islands.conditions.none import NoCondition
 from islands.conditions.text import TextKind
 from islands.nets import NetworkSpec
 
-KINDS: dict[str, ConditionKind] = {kind.name: kind for kind in (NoCondition(), ClassKind(), TextKind())}
+KINDS: dict[str, ConditionKind] = {kind.name: kind for kind in (NoCondition(), ClassKind(), TextKind(), ImageKind())}
 
 
 def condition_kind(model) -> ConditionKind:

@@ -9,6 +9,7 @@ or of its flip (`StoredLatents`), and `decode` maps samples back to images befor
 
 from dataclasses import dataclass, replace
 
+import torch
 from torch import Tensor
 
 from islands.data.batch import Batch
@@ -26,8 +27,13 @@ class DataSpace:
         return tuple(shape)
 
     def encode(self, batch: Batch) -> Batch:
-        """The batch as the objective trains on it: here its examples, each flipped where the loader's draw says."""
-        return replace(batch, x=batch.flipped(), flip=None)
+        """The batch as the objective trains on it: here its examples, each flipped where the loader's draw says, and
+        a condition laid out as the example (a low-resolution image of it) flipped with it."""
+        condition = batch.condition
+        if batch.flip is not None and condition.dim() == batch.x.dim():
+            condition = torch.where(batch.flip.reshape(-1, *([1] * (condition.dim() - 1))), condition.flip(-1),
+                                    condition)
+        return replace(batch, x=batch.flipped(), condition=condition, flip=None)
 
     def flips(self, flip: bool | None, source_flips: bool) -> bool:
         """Whether examples are flipped (data.flip; None: the source's own default): what the loader draws a flip

@@ -62,12 +62,13 @@ def open_ensemble(root: Path, options: dict | None = None, routing: str = DEFAUL
 def sample_to_folder(target: Path, out: Path, num: int, options: dict | None = None,
                      request: SampleRequest = NO_REQUEST, seed: int | None = None, routing: str | None = None,
                      max_loaded: int | None = None, use_ema: bool = True, distributed: bool = False,
-                     progress: bool = True) -> list[str]:
+                     progress: bool = True, then: list[Path] = ()) -> list[str]:
     """`islands sample` as a function: `num` samples of a run, range experts or an ensemble (`target`) written to
     `out` (new, empty, or one it wrote before): samples.npz, its picture and, drawn for prompts (sample i for prompt
     i mod P), prompts.txt. `request`: what they are conditioned on (the run's kind reads it, and refuses another
-    kind's). `distributed`: under torchrun, the experts (or range experts) spread over the ranks. Returns what it says
-    to people: the files written and what the sampling cost."""
+    kind's). `distributed`: under torchrun, the experts (or range experts) spread over the ranks. `then`: a cascade,
+    each run in turn drawing its samples for the previous one's as its condition images (the options apply to every
+    stage). Returns what it says to people: the files written and what the sampling cost."""
     target, out = Path(target), Path(out)
     check_samples_folder(out)
     if distributed and not ((target / MANIFEST).exists() or (target / "tstages").is_dir()):
@@ -77,9 +78,15 @@ def sample_to_folder(target: Path, out: Path, num: int, options: dict | None = N
     check_sample_count(num, sampler.shape)
     labels, prompts = sampler.conditions(num, request), list(request.prompts)
     seed = sampler.cfg.seed if seed is None else seed
+    if distributed and then:
+        raise ConfigError("--then: a cascade samples in one process; leave out --distributed")
     if distributed:  # under torchrun: each rank holds some of the experts, or one range expert
         return _sample_distributed(sampler, out, num, seed, labels, prompts)
-    said = _write(sampler.generate(num, labels, seed, progress=progress), labels, prompts, out)
+    x = sampler.generate(num, labels, seed, progress=progress)
+    for stage in then:  # the previous stage's samples are this one's condition images
+        refined = open_run(stage, options, use_ema)
+        x = refined.generate(num, refined.conditions(num, SampleRequest(images=x)), seed, progress=progress)
+    said = _write(x, labels, prompts, out)
     if sampler.manifest is not None:
         opts = sampler.opts
         one_model = evaluations_per_sample(opts.solver, opts.steps, opts.guidance if labels is not None else 1.0)

@@ -15,6 +15,7 @@ prediction; `None` in place of a condition tensor means none for every example.
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -192,12 +193,40 @@ class TextNull(PackedCaption, nn.Module):
             self.null_token = nn.Parameter(torch.zeros(widths.width))
 
 
+class ImageCondition(NetworkCondition, nn.Module):
+    """A low-resolution image (batch, C, r, r) in [-1, 1], upsampled to the input's size (bicubic, as SR3) and
+    concatenated after the noisy example's channels; zeros are "none" (for dropout and guidance), so that the
+    unconditional branch reads no image at all. It holds no parameter: the network's first layer takes the channels."""
+
+    kind = "image"
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.channels = channels
+
+    def null(self, batch: int, device) -> Tensor:
+        return torch.zeros(batch, self.channels, 1, 1, device=device)  # upsampled to zeros of any size
+
+    def or_null(self, condition: Tensor | None, batch: int, device) -> Tensor:
+        return self.null(batch, device) if condition is None else condition
+
+    def drop(self, condition: Tensor, dropped: Tensor) -> Tensor:
+        return condition * (~dropped).to(condition.dtype).reshape(-1, 1, 1, 1)
+
+    def inputs(self, x: Tensor, condition: Tensor | None) -> Tensor:
+        image = self.or_null(condition, x.shape[0], x.device).to(x.dtype)
+        upsampled = F.interpolate(image, size=x.shape[-2:], mode="bicubic", align_corners=False)
+        return torch.cat([x, upsampled], dim=1)
+
+
 def network_condition(hidden_size: int, num_classes: int = 0, text: TextWidths | None = None,
                       text_tokens: bool = True, channels: int = 0) -> NetworkCondition | None:
     """The condition module of a network of width `hidden_size` built for these arguments (its constructor's, which
     the export records: `channels` are those of a condition laid out as the example); None: unconditional."""
     if text is not None:
         return TextCondition(text, hidden_size, text_tokens)
+    if channels:
+        return ImageCondition(channels)
     return ClassCondition(num_classes, hidden_size) if num_classes > 0 else None
 
 
