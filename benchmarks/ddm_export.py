@@ -27,10 +27,9 @@ from benchmarks.common import measure, median, save, setup, table
 from islands.config import validate
 from islands.data import streams
 from islands.ddm.ensemble import ancestral_clusters
-from islands.ddm.imported import import_ensemble
 from islands.ddm.pipeline import run_ddm
 from islands.ddm.sampling import open_sampler
-from islands.export_ddm import export_ensemble
+from islands.export import export_ensemble, import_ensemble
 
 WORK = Path("runs/benchmarks/ddm_export")
 K, IMAGES, NUM, STEPS, GUIDANCE, REPEATS = 4, 4096, 64, 8, 2.0, 3

@@ -248,14 +248,14 @@ def _report(args) -> int:
 
 
 def _export(args) -> int:
-    from islands.export_ddm import export
+    from islands.export import export
 
     print(f"wrote {export(Path(args.run_dir), Path(args.out))}")
     return 0
 
 
 def _import(args) -> int:
-    from islands.ddm.imported import import_ensemble
+    from islands.export import import_ensemble
 
     out = import_ensemble(Path(args.folder), Path(args.ensemble_dir), [Path(r) for r in args.expert or ()])
     print(f"wrote {out} (ensemble.json); sample it: islands sample {out}")

@@ -274,13 +274,13 @@ def test_the_ema_takes_in_the_device_weights():
 
 @pytest.mark.parametrize("routing", ["sample", "ancestral_then:topk:1@0.5"])  # the router's draws; both selections
 def test_the_exported_ensembles_pipeline_samples_on_the_device(routing):
-    """islands/ddm/diffusers_pipeline.py (shipped as an exported ensemble's pipeline.py): a class-conditional DiT and
+    """islands/export/diffusers_pipeline.py (shipped as an exported ensemble's pipeline.py): a class-conditional DiT and
     DDPM U-Net and a text-conditioned SD3 expert, the router, on the device; labels, captions, noise given on the CPU,
     as a user hands them over."""
     import diffusers
     from test_diffusers_nets import CONFIGS, TEXT
 
-    from islands.ddm import diffusers_pipeline as shipped
+    from islands.export import diffusers_pipeline as shipped
 
     def on_device(model):
         return model.eval().to(DEVICE)

@@ -1,4 +1,4 @@
-"""`islands export RUN OUT/` (islands/export.py): the folder loads with plain diffusers in a process where Islands
+"""`islands export RUN OUT/` (islands/export/run.py): the folder loads with plain diffusers in a process where Islands
 cannot be imported, and its network and scheduler, stepped from the noise `islands sample` draws, give the samples
 `islands sample` gives; a text-conditioned run's, with its prompts encoded by plain transformers as the folder's
 record says and its null caption from the folder, the samples `islands sample --prompt` gives under guidance."""
@@ -22,7 +22,7 @@ from islands.config import validate
 from islands.data import streams
 from islands.data.shards import file_sha256
 from islands.errors import ConfigError
-from islands.export import scheduler_for, shipped_source
+from islands.export.run import scheduler_for, shipped_source
 from islands.flow.paths import build_path
 from islands.generate import load_denoiser
 from islands.nets.text_folder import minilm_folder
@@ -438,7 +438,7 @@ def test_a_text_conditioned_islands_network_samples_prompts_in_plain_diffusers_a
 
 def test_an_islands_network_of_a_ddpm_run_reads_the_schedulers_steps():
     """A `vp_discrete` run of N steps: the exported network at the scheduler's step n is Islands' at time n / N."""
-    from islands.export import own_model
+    from islands.export.run import own_model
     from islands.nets import build_network
 
     cfg = validate({"run_dir": ".", "model": OWN_NETWORKS["dit"],

@@ -1,5 +1,5 @@
-"""An ensemble in the open DDM layout (`islands export ENSEMBLE OUT/`, islands/export_ddm.py): its pipeline.py samples
-it with plain diffusers in a process where Islands cannot be imported, and the same noise gives the samples
+"""An ensemble in the open DDM layout (`islands export ENSEMBLE OUT/`, islands/export/ensemble.py): its pipeline.py
+samples it with plain diffusers in a process where Islands cannot be imported, and the same noise gives the samples
 `islands sample ENSEMBLE` gives, under every routing policy; the router shipped for it computes what Islands' router
 computes; a changed file is refused."""
 
@@ -19,10 +19,10 @@ from islands.cli import main
 from islands.conditions import SampleRequest, network_spec
 from islands.data import streams
 from islands.data.shards import file_sha256
-from islands.ddm import diffusers_pipeline
 from islands.ddm.ensemble import ancestral_clusters, read_manifest
 from islands.ddm.sampling import open_sampler
 from islands.errors import ConfigError
+from islands.export import diffusers_pipeline
 from islands.nets.condition import TextWidths, pack_text
 from islands.nets.router import TransformerRouter
 

@@ -1,6 +1,6 @@
 """An ensemble published in the open DDM layout, read back (`islands import FOLDER ENSEMBLE/`).
 
-The folder (written by `islands export ENSEMBLE`, islands/export_ddm.py) arrives from elsewhere and is read as
+The folder (written by `islands export ENSEMBLE`, islands/export/ensemble.py) arrives from elsewhere and is read as
 untrusted: only the files of an exact allow-list are read, each inside the folder and hashing to what its ddm.json
 says; weights are safetensors, expert classes one of the adapters', and its pipeline.py is never imported. What it
 becomes is an ordinary ensemble directory: config.yaml (the publisher's, its run_dir this one), partition/,

@@ -4,7 +4,7 @@ OUT/expert_N/ holds expert N as its own diffusers class (`save_pretrained` of th
 text-conditioned one with islands_null_caption.safetensors beside, its learned "no caption", as the forward takes a
 caption), or, for Islands' own U-Net and DiT, as IslandsUNet or IslandsDiT, whose code ships in
 OUT/islands_networks/ as `islands export RUN` ships it; OUT/router/ the router as `DDMRouter`
-(islands/ddm/diffusers_pipeline.py, whose weights carry Islands' names, so no conversion touches them);
+(islands/export/diffusers_pipeline.py, whose weights carry Islands' names, so no conversion touches them);
 OUT/scheduler/ the rectified-flow scheduler; OUT/partition/ the partition as Islands wrote it (sizes, shares per
 class, centroids); OUT/condition_router/ p(cluster | caption) on text; OUT/pipeline.py the pipeline that samples
 them by any routing policy, with no Islands installed; OUT/ddm.json names everything, with each file's sha256, the
@@ -20,9 +20,8 @@ from safetensors.torch import save_file
 from islands import __version__
 from islands.conditions import condition_kind
 from islands.config import load_config
-from islands.ddm import diffusers_pipeline
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_WEIGHTS
-from islands.ddm.ensemble import MANIFEST, read_manifest, read_verified
+from islands.ddm.ensemble import read_manifest, read_verified
 from islands.ddm.mixture import DEFAULT_ROUTING
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
 from islands.ddm.records import (
@@ -35,7 +34,8 @@ from islands.ddm.records import (
 )
 from islands.ddm.runs import partition_dir
 from islands.errors import ConfigError
-from islands.export import null_caption, own_model, scheduler_for, shipped_source, write_package
+from islands.export import diffusers_pipeline
+from islands.export.run import null_caption, own_model, scheduler_for, shipped_source, write_package
 from islands.nets import OWN_NETWORK_ARGUMENTS
 from islands.nets.diffusers_net import NULL_CAPTION
 from islands.nets.diffusers_wrapper import SHIPPED
@@ -136,11 +136,3 @@ def export_ensemble(root: Path, out: Path) -> Path:
     (building / INDEX).write_text(ExportedIndex.read(index, building / INDEX).dumps())
     return finish_building(building, out)
 
-
-def export(target: Path, out: Path) -> Path:
-    """`islands export` as a function: an ensemble directory in the open DDM layout, or a run as its diffusers
-    folder."""
-    from islands.export import export_run
-
-    target = Path(target)
-    return export_ensemble(target, Path(out)) if (target / MANIFEST).exists() else export_run(target, Path(out))
