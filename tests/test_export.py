@@ -21,7 +21,8 @@ from islands.conditions import network_spec
 from islands.config import validate
 from islands.data import streams
 from islands.data.shards import file_sha256
-from islands.errors import ConfigError
+from islands.errors import CheckpointError, ConfigError
+from islands.export.records import ExportRecord
 from islands.export.run import scheduler_for, shipped_source
 from islands.flow.paths import build_path
 from islands.generate import load_denoiser
@@ -236,10 +237,15 @@ def test_a_rectified_flow_dit_samples_in_plain_diffusers_as_islands_samples_it(t
     assert (np.abs(drawn) < 1).mean() > 0.5  # most values are not clamped: the comparison sees them
     np.testing.assert_allclose(drawn.clip(-1, 1), islands["x"], atol=1e-4)
 
-    record = json.loads((tmp_path / "out" / "islands_export.json").read_text())
+    raw = (tmp_path / "out" / "islands_export.json").read_text()
+    # the file as it was written before it had a model: plain JSON indented by 2, in this order, no version (1)
+    assert list(json.loads(raw)) == ["islands_version", "run_dir", "checkpoint", "weights", "config_sha256", "config",
+                                     "files"] and raw == json.dumps(json.loads(raw), indent=2)
+    record = ExportRecord.load(tmp_path / "out" / "islands_export.json")
     weights = tmp_path / "out" / "transformer" / "diffusion_pytorch_model.safetensors"
-    assert record["files"] == {"transformer/diffusion_pytorch_model.safetensors": file_sha256(weights)}
-    assert record["weights"] == "ema.safetensors" and record["config"]["model"]["class_name"] == "DiTTransformer2DModel"
+    assert record.version == 1 and record.text is None and record.checkpoint == latest_checkpoint(run).name
+    assert record.files == {"transformer/diffusion_pytorch_model.safetensors": file_sha256(weights)}
+    assert record.weights == "ema.safetensors" and record.config["model"]["class_name"] == "DiTTransformer2DModel"
     index = json.loads((tmp_path / "out" / "model_index.json").read_text())
     assert index["transformer"] == ["diffusers", "DiTTransformer2DModel"]
     assert index["scheduler"] == ["diffusers", "FlowMatchEulerDiscreteScheduler"]
@@ -347,9 +353,9 @@ def test_a_text_conditioned_export_samples_prompts_under_guidance_in_plain_diffu
     assert main(["export", str(run), str(tmp_path / "out")]) == 0
     prompts_sample_alike(run, tmp_path, TEXT_LOOP)
 
-    record = json.loads((tmp_path / "out" / "islands_export.json").read_text())
-    assert record["text"]["sha256"] == json.loads((run / "text_encoder.json").read_text())["sha256"]
-    assert record["text"]["text_encoder"] == "minilm" and record["text"]["tokenizer"]["max_length"] == 16
+    text = ExportRecord.load(tmp_path / "out" / "islands_export.json").text
+    assert text.sha256 == json.loads((run / "text_encoder.json").read_text())["sha256"]
+    assert text.text_encoder == "minilm" and text.tokenizer["max_length"] == 16
 
 
 OWN_NETWORKS = {"unet": tiny_unet_config(".", ".")["model"],
@@ -395,12 +401,12 @@ def test_islands_own_network_samples_in_plain_diffusers_under_guidance_as_island
     component, class_name = {"unet": ("unet", "IslandsUNet"), "dit": ("transformer", "IslandsDiT")}[arch]
     assert json.loads((out / "model_index.json").read_text())[component] == ["islands_networks", class_name]
     assert json.loads((out / component / "config.json").read_text())["_class_name"] == class_name
-    record = json.loads((out / "islands_export.json").read_text())
+    record = ExportRecord.load(out / "islands_export.json")
     shipped = sorted(out.rglob("*.py"))
     assert [p.name for p in shipped] == ["__init__.py", "condition.py", "diffusers_wrapper.py", "dit.py", "layers.py",
                                          "unet.py"]
-    assert record["files"] == {str(p.relative_to(out)): file_sha256(p)
-                               for p in [*shipped, out / component / "diffusion_pytorch_model.safetensors"]}
+    assert record.files == {str(p.relative_to(out)): file_sha256(p)
+                            for p in [*shipped, out / component / "diffusion_pytorch_model.safetensors"]}
     repo = Path(__file__).parents[1] / "islands" / "nets"
     for path in shipped[1:]:  # the repo's files but for their imports of each other (none of Islands is left: the
         # process that sampled them could import no part of it)
@@ -408,6 +414,34 @@ def test_islands_own_network_samples_in_plain_diffusers_under_guidance_as_island
         assert len(ours) == len(theirs)
         changed = [(a, b) for a, b in zip(ours, theirs, strict=True) if a != b]
         assert all(a.replace("from islands.nets.", "from .") == b for a, b in changed)
+
+
+def test_an_export_record_is_read_as_its_model_and_a_wrong_key_is_refused_in_one_line(tmp_path):
+    record = {"islands_version": "0.1", "run_dir": "runs/a", "checkpoint": "000000000032", "weights": "ema.safetensors",
+              "config_sha256": "0" * 64, "config": {"model": {"arch": "dit"}},
+              "text": {"text_encoder": "minilm", "sha256": None, "tokenizer": {"max_length": 16}, "pooling": "mean",
+                       "normalize": True, "lowercase": False, "arguments": ["encoder_hidden_states"],
+                       "null_caption": None},
+              "files": {"transformer/diffusion_pytorch_model.safetensors": "1" * 64}}
+    path = tmp_path / "islands_export.json"
+    path.write_text(json.dumps(record, indent=2))
+    read = ExportRecord.load(path)
+    assert (read.version, read.checkpoint, read.text.pooling, read.text.arguments) == (
+        1, "000000000032", "mean", ["encoder_hidden_states"])
+    read.write(tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_text() == path.read_text()  # written back byte for byte, no version added
+    for change, message in [(lambda r: r.pop("checkpoint"), "islands_export.json: checkpoint: Field required"),
+                            (lambda r: r["files"].update(x=3), "islands_export.json: files.x: Input should be a valid"),
+                            (lambda r: r["text"].pop("pooling"), "islands_export.json: text.pooling: Field required")]:
+        changed = json.loads(json.dumps(record))
+        change(changed)
+        path.write_text(json.dumps(changed))
+        with pytest.raises(CheckpointError) as err:
+            ExportRecord.load(path)
+        assert str(err.value).count("\n") == 0 and str(err.value).startswith(str(path)) and message in str(err.value)
+    path.write_text("{")
+    with pytest.raises(CheckpointError, match="islands_export.json: not an exported folder's record"):
+        ExportRecord.load(path)
 
 
 def test_the_shipped_networks_import_each_other_relatively_and_nothing_else_of_islands():
@@ -431,9 +465,9 @@ def test_a_text_conditioned_islands_network_samples_prompts_in_plain_diffusers_a
     made_far_from_its_start(run)
     assert main(["export", str(run), str(tmp_path / "out")]) == 0
     prompts_sample_alike(run, tmp_path, OWN_LOOP)
-    text = json.loads((tmp_path / "out" / "islands_export.json").read_text())["text"]
-    assert text["null_caption"] is None and not (tmp_path / "out" / "islands_null_caption.safetensors").exists()
-    assert text["sha256"] == json.loads((run / "text_encoder.json").read_text())["sha256"]
+    text = ExportRecord.load(tmp_path / "out" / "islands_export.json").text
+    assert text.null_caption is None and not (tmp_path / "out" / "islands_null_caption.safetensors").exists()
+    assert text.sha256 == json.loads((run / "text_encoder.json").read_text())["sha256"]
 
 
 def test_an_islands_network_of_a_ddpm_run_reads_the_schedulers_steps():

@@ -23,6 +23,7 @@ from islands.ddm.ensemble import ancestral_clusters, read_manifest
 from islands.ddm.sampling import open_sampler
 from islands.errors import ConfigError
 from islands.export import diffusers_pipeline
+from islands.export.records import ExportedIndex
 from islands.nets.condition import TextWidths, pack_text
 from islands.nets.router import TransformerRouter
 
@@ -85,17 +86,18 @@ def test_the_exported_pipeline_samples_as_islands_samples_under_every_routing(en
 
 def test_the_folder_is_the_open_ddm_layout_every_file_hashed(ensemble):
     out = ensemble / "out"
-    index = json.loads((out / "ddm.json").read_text())
+    index = ExportedIndex.load(out / "ddm.json")
     manifest = read_manifest(ensemble / "ens")
-    assert [e["class_name"] for e in index["experts"]] == list(CLASS_LABELS[::-1])
-    for k, expert in enumerate(index["experts"]):
+    assert [e.class_name for e in index.experts] == list(CLASS_LABELS[::-1])
+    for k, expert in enumerate(index.experts):
         assert (out / f"expert_{k}" / "config.json").is_file()
-        assert json.loads((out / f"expert_{k}" / "config.json").read_text())["_class_name"] == expert["class_name"]
-        assert expert["source_sha256"] == manifest.experts[k].sha256
-    assert index["prior"] == manifest.prior and index["prior_by_class"][:-1] == manifest.prior_by_class
+        assert json.loads((out / f"expert_{k}" / "config.json").read_text())["_class_name"] == expert.class_name
+        assert expert.source_sha256 == manifest.experts[k].sha256
+    assert index.prior == manifest.prior and index.prior_by_class[:-1] == manifest.prior_by_class
+    assert index.dumps() == (out / "ddm.json").read_text()  # written as its model dumps it, nothing lost
     assert json.loads((out / "scheduler" / "scheduler_config.json").read_text())["shift"] == 2.0
     on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {"ddm.json"}
-    assert set(index["files"]) == on_disk
+    assert set(index.files) == on_disk
     assert {"partition/partition.json", "partition/assignments.npz", "pipeline.py",
             "router/diffusion_pytorch_model.safetensors"} <= on_disk
 
@@ -162,9 +164,9 @@ def test_an_ensemble_of_islands_own_u_nets_exports_samples_in_plain_diffusers_an
     assert main(["ddm", write_config(tmp_path / "ddm.yaml", cfg), "--quiet"]) == 0
     root, out = tmp_path / "ens", tmp_path / "out"
     assert main(["export", str(root), str(out)]) == 0
-    index = json.loads((out / "ddm.json").read_text())
-    assert [e["class_name"] for e in index["experts"]] == ["IslandsUNet", "IslandsUNet"]
-    assert "islands_networks/unet.py" in index["files"]
+    index = ExportedIndex.load(out / "ddm.json")
+    assert [e.class_name for e in index.experts] == ["IslandsUNet", "IslandsUNet"]
+    assert "islands_networks/unet.py" in index.files
 
     routings, opts = ("ancestral", "top1", "full"), {"steps": STEPS, "solver": "euler", "guidance": GUIDANCE}
     sampler = open_sampler(root, opts, routing="ancestral")
@@ -365,6 +367,20 @@ def test_an_ensemble_manifest_that_links_out_of_its_folder_is_not_read(ensemble,
                  "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ensemble.json leads out of the folder" in err, err
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("num_classes", None, "router/config.json: num_classes: None is not a whole number of at least 0"),
+    ("depth", 0, "router/config.json: depth: 0 is not a whole number of at least 1"),
+    ("num_experts", 3, "router/config.json: num_experts: 3 but the ensemble has 2 experts"),
+])
+def test_a_router_config_import_would_build_wrongly_is_refused_in_one_line(ensemble, tmp_path, capsys, key, value,
+                                                                           message):
+    """router/config.json, rehashed as its publisher would: the sizes Islands' router is built from, typed."""
+    copy = published_copy(ensemble, tmp_path)
+    edit_json(copy / "router" / "config.json", lambda config: set_at(config, [key], value))
+    rehashed(copy, "router/config.json")
+    assert message in import_refused(copy, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("name", ["ddm.json", "expert_0/diffusion_pytorch_model.safetensors", "expert_1/config.json",

@@ -1,5 +1,6 @@
-"""The ensemble's records on disk, typed: the manifest (`ensemble.json`), its member entries (experts, range experts,
-the router, the condition router) and the exported ensemble's index (`ddm.json`).
+"""The ensemble's records on disk, typed: the manifest (`ensemble.json`) and its member entries (experts, range
+experts, the router, the condition router); the exported ensemble's index (`ddm.json`) builds on them
+(islands/export/records.py).
 
 Each is a pydantic model with a `version` (files written before it had one read as version 1), validated on read:
 an ensemble may have come from another island, so every value sampling or import uses is checked before anything
@@ -9,17 +10,13 @@ is built from its record (`MemberRecord.network`).
 
 import json
 import math
-import re
 from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
-    Field,
     ValidationError,
-    ValidationInfo,
-    field_validator,
     model_validator,
 )
 
@@ -66,7 +63,7 @@ def _prior(value, k: int) -> list[float]:
     return value
 
 
-def _check_priors(record, k: int, classes: int) -> None:
+def check_priors(record, k: int, classes: int) -> None:
     """`record.prior` over k clusters and, if any, `record.prior_by_class`: at least `classes` rows of them; a
     ValueError naming the key."""
     try:
@@ -276,7 +273,7 @@ class EnsembleManifest(Record):
             classes = next((e.num_classes for e in self.experts if e.num_classes is not None), None)
             if classes is None:
                 raise ValueError("prior_by_class: no expert says how many classes there are")
-        _check_priors(self, k, classes)
+        check_priors(self, k, classes)
         if self.condition_router is not None:
             self.condition_router.check_clusters(k)
         return self
@@ -290,78 +287,3 @@ class EnsembleManifest(Record):
     def shape(self) -> tuple:
         """The examples' shape (load_ensemble ensures a trained member)."""
         return next(tuple(e.shape) for e in self.experts if e.shape is not None)
-
-
-class ExportedExpert(Record):
-    name: str | None = None
-    folder: str
-    class_name: str | None = None
-    cluster: int | None = None
-    size: Count
-    source_sha256: str | None = None
-    islands_model: Any = None
-
-    @field_validator("folder", mode="before")
-    @classmethod
-    def _expert_n(cls, value):
-        if not isinstance(value, str) or not re.fullmatch(r"expert_\d+", value):
-            raise ValueError(f"{value!r} is not expert_N")
-        return value
-
-
-def _experts(value):
-    if not isinstance(value, list) or not value or not all(isinstance(e, (dict, ExportedExpert)) for e in value):
-        raise ValueError("not a list of the experts' entries")
-    return value
-
-
-def _config(value):
-    if not isinstance(value, dict):
-        raise ValueError(f"{value!r} is not a config (a mapping)")
-    return value
-
-
-class ExportedIndex(Record):
-    """`ddm.json`: every file of an exported ensemble with its sha256, the priors, the sampling defaults and the
-    ensemble's config."""
-
-    class_name: str = Field("DDMPipeline", alias="_class_name")
-    islands_version: str | None = None
-    version: int = VERSION
-    k: int | None = None
-    islands_config: Annotated[dict, BeforeValidator(_config)]
-    shape: Shape
-    num_classes: Count
-    condition: str | None = None
-    experts: Annotated[list[ExportedExpert], BeforeValidator(_experts)]
-    prior: Any = None
-    prior_by_class: Any = None
-    text: dict | None = None
-    text_encoder_sha256: str | None = None
-    router: str | None = None
-    condition_router: ConditionRouterRecord | None = None
-    sample: dict | None = None
-    files: dict[str, str]
-
-    @model_validator(mode="before")
-    @classmethod
-    def _an_index(cls, data, info: ValidationInfo):
-        files = data.get("files") if isinstance(data, dict) else None
-        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-            raise ValueError("not an exported ensemble's index (no files with their sha256)")
-        if (allowed := (info.context or {}).get("allowed")) is not None:  # the files of the open DDM layout
-            refused = sorted(name for name in files if not allowed.fullmatch(name))
-            if refused:
-                raise ValueError(f"{refused[0]} is not a file of the open DDM layout; refusing the folder")
-        if "islands_config" not in data:
-            raise ValueError("has no islands_config, the ensemble's config")
-        return data
-
-    @model_validator(mode="after")
-    def _usable(self):
-        # a row per class, and the last for no class
-        _check_priors(self, len(self.experts), self.num_classes + 1)
-        if self.condition_router is not None:
-            self.condition_router.check_clusters(len(self.experts))
-        return self
-

@@ -24,25 +24,17 @@ from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_WEIGHTS
 from islands.ddm.ensemble import read_manifest, read_verified
 from islands.ddm.mixture import DEFAULT_ROUTING
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
-from islands.ddm.records import (
-    VERSION,
-    ConditionRouterRecord,
-    EnsembleManifest,
-    ExportedExpert,
-    ExportedIndex,
-    MemberRecord,
-)
+from islands.ddm.records import VERSION, ConditionRouterRecord, EnsembleManifest, MemberRecord
 from islands.ddm.runs import partition_dir
 from islands.errors import ConfigError
 from islands.export import diffusers_pipeline
+from islands.export.records import INDEX, ExportedExpert, ExportedIndex
 from islands.export.run import null_caption, own_model, scheduler_for, shipped_source, write_package
 from islands.nets import OWN_NETWORK_ARGUMENTS
 from islands.nets.diffusers_net import NULL_CAPTION
 from islands.nets.diffusers_wrapper import SHIPPED
 from islands.rundir import BUILDING_MARKER, finish_building, start_building
 from islands.untrusted import file_sha256
-
-INDEX = diffusers_pipeline.INDEX
 
 
 def _refuse_unless_exportable(root: Path, manifest: EnsembleManifest, cfg) -> None:
@@ -105,34 +97,39 @@ def export_ensemble(root: Path, out: Path) -> Path:
     if any(e.arch != "diffusers" for e in manifest.experts):
         write_package(building, {name: shipped_source(name) for name in SHIPPED})
     first = manifest.experts[0]
-    index = {"_class_name": "DDMPipeline", "islands_version": __version__, "version": VERSION, "k": manifest.k,
-             "shape": first.shape, "num_classes": cfg.model.num_classes,
-             "condition": cfg.model.condition, "prior": manifest.prior, "experts": experts}
     # how a prompt becomes the experts' condition (every expert encodes alike)
-    for key, record in condition_kind(cfg.model).export_record(cfg, root / first.run).items():
-        index[key] = {k: v for k, v in record.items() if k not in ("arguments", "null_caption")}
-    if manifest.prior_by_class:  # the last row: no class, the sizes
-        index["prior_by_class"] = manifest.prior_by_class + [manifest.prior]
+    condition = {key: {k: v for k, v in record.items() if k not in ("arguments", "null_caption")}
+                 for key, record in condition_kind(cfg.model).export_record(cfg, root / first.run).items()}
     router = manifest.router
     if router.trained:  # without one, only ancestral routing samples it
         model = diffusers_pipeline.DDMRouter(**_router_arguments(router))
         model.load_state_dict(read_verified(root, router))  # strict: every weight under the same name
         model.save_pretrained(building / "router", safe_serialization=True)
-        index["router"] = "router"
     if (spec := manifest.condition_router) is not None:
         (building / ROUTER_FOLDER).mkdir()
         save_file(read_verified(root, spec), building / ROUTER_FOLDER / ROUTER_WEIGHTS)
-        index["condition_router"] = ConditionRouterRecord(**spec.sizes, weights=f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}")
     scheduler_for(cfg).save_pretrained(building / "scheduler")
     (building / "partition").mkdir()
     for name in (META_FILE, ARRAYS_FILE):
         shutil.copyfile(partition_dir(cfg) / name, building / "partition" / name)
     shutil.copyfile(diffusers_pipeline.__file__, building / "pipeline.py")
-    index["sample"] = {"routing": DEFAULT_ROUTING, "steps": cfg.sample.steps, "guidance": cfg.sample.guidance,
-                       "time_shift": cfg.sample.time_shift or 1.0}
-    index["islands_config"] = yaml.safe_load((root / "config.yaml").read_text())
-    index["files"] = {str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*"))
-                      if p.is_file() and p.name != BUILDING_MARKER}  # the marker leaves before the rename
-    (building / INDEX).write_text(ExportedIndex.read(index, building / INDEX).dumps())
+    given = {}  # what only some ensembles have is absent from the others' index, not null
+    if manifest.prior_by_class:  # the last row: no class, the sizes
+        given.update(prior_by_class=manifest.prior_by_class + [manifest.prior])
+    if router.trained:
+        given.update(router="router")
+    if spec is not None:
+        given.update(condition_router=ConditionRouterRecord(**spec.sizes, weights=f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}"))
+    index = ExportedIndex.read(dict(
+        class_name="DDMPipeline", islands_version=__version__, version=VERSION, k=manifest.k, shape=first.shape,
+        num_classes=cfg.model.num_classes, condition=cfg.model.condition, prior=manifest.prior, experts=experts,
+        **condition, **given,
+        sample={"routing": DEFAULT_ROUTING, "steps": cfg.sample.steps, "guidance": cfg.sample.guidance,
+                "time_shift": cfg.sample.time_shift or 1.0},
+        islands_config=yaml.safe_load((root / "config.yaml").read_text()),
+        files={str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*"))
+               if p.is_file() and p.name != BUILDING_MARKER}),  # the marker leaves before the rename
+        building / INDEX)
+    (building / INDEX).write_text(index.dumps())
     return finish_building(building, out)
 

@@ -30,8 +30,9 @@ from islands.data import build_data
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS
 from islands.ddm.ensemble import MANIFEST, condition_router_of
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
-from islands.ddm.records import VERSION, EnsembleManifest, ExportedExpert, ExportedIndex, MemberRecord, count
+from islands.ddm.records import VERSION, ConditionRouterRecord, EnsembleManifest, MemberRecord, count
 from islands.errors import CheckpointError, ConfigError, DataError, IslandsWarning
+from islands.export.records import INDEX, ExportedExpert, ExportedIndex, RouterConfig
 from islands.generate import uninitialised_network
 from islands.nets import OWN_NETWORK_ARGUMENTS
 from islands.nets.diffusers_net import ADAPTERS, NULL_CAPTION, DiffusersNetwork
@@ -48,7 +49,6 @@ from islands.rundir import (
 )
 from islands.untrusted import check_fits, file_sha256, inside
 
-INDEX = "ddm.json"
 # Islands' own networks as the export names them; the folder carries their code (PACKAGE) for plain diffusers, and
 # Islands never imports it: it has the networks' code itself
 OWN_ARCH = {cls.__name__: arch for arch, cls in EXPORTED_CLASS.items()}
@@ -58,8 +58,6 @@ ALLOWED = re.compile(rf"(expert_\d+/(config\.json|diffusion_pytorch_model\.safet
                      r"|router/(config\.json|diffusion_pytorch_model\.safetensors)|scheduler/scheduler_config\.json"
                      rf"|partition/({re.escape(META_FILE)}|{re.escape(ARRAYS_FILE)})"
                      rf"|{ROUTER_FOLDER}/{re.escape(ROUTER_WEIGHTS)}|pipeline\.py)")
-ROUTER_ARGUMENTS = {"hidden_size": "hidden_size", "depth": "depth", "num_heads": "num_heads",
-                    "patch_size": "patch_size"}
 # the torch feature network of eval: a module imported by name and its weights, both on the publisher's machine; a
 # config from another island never names code that this one runs (islands/eval/features.py's allow-list is the other
 # guard)
@@ -190,13 +188,13 @@ def _member(model: dict, index: ExportedIndex, name: str = "a member") -> Member
 
 
 def _expert_entry(k: int, model: dict, shape: list, num_classes: int, path: str, prediction: str, size: int,
-                  weights: str, sha256: str, **extra) -> dict:
-    return {"name": f"expert{k}", "run": f"experts/{k}", "weights": weights, "sha256": sha256, "path": path,
-            "prediction": prediction, "model": model, "shape": shape, "num_classes": num_classes, "cluster": k,
-            "size": size, **extra}
+                  weights: str, sha256: str, **extra) -> MemberRecord:
+    return MemberRecord(name=f"expert{k}", run=f"experts/{k}", weights=weights, sha256=sha256, path=path,
+                        prediction=prediction, model=model, shape=shape, num_classes=num_classes, cluster=k, size=size,
+                        **extra)
 
 
-def _imported_experts(folder: _Folder, cfg, building: Path) -> list[dict]:
+def _imported_experts(folder: _Folder, cfg, building: Path) -> list[MemberRecord]:
     index, entries = folder.index, []
     for k, expert in enumerate(index.experts):
         name = expert.folder  # expert_N (ExportedIndex)
@@ -219,18 +217,19 @@ def _imported_experts(folder: _Folder, cfg, building: Path) -> list[dict]:
     return entries
 
 
-def _imported_router(folder: _Folder, cfg, building: Path) -> dict:
+def _imported_router(folder: _Folder, cfg, building: Path) -> MemberRecord:
     if folder.index.router is None:
-        return {"name": "router", "run": "router", "why": "was not published with the ensemble"}
-    config = folder.json("router/config.json")
-    if config.get("num_experts") != len(folder.index.experts):
-        raise CheckpointError(f"{folder.root / 'router'}/config.json: num_experts: {config.get('num_experts')!r} but "
+        return MemberRecord(name="router", run="router", why="was not published with the ensemble")
+    config = RouterConfig.read(folder.json("router/config.json"), folder.root / "router" / "config.json")
+    if config.num_experts != len(folder.index.experts):
+        raise CheckpointError(f"{folder.root / 'router'}/config.json: num_experts: {config.num_experts!r} but "
                               f"the ensemble has {len(folder.index.experts)} experts")
-    model = {"arch": "router", "num_classes": config["num_classes"], "outputs": config["num_experts"],
+    model = {"arch": "router", "num_classes": config.num_classes, "outputs": config.num_experts,
              "condition": cfg.model.condition, "text_tokens": cfg.model.text_tokens, "text_width": cfg.model.text_width,
-             "text_pooled_width": cfg.model.text_pooled_width, **{k: config[v] for k, v in ROUTER_ARGUMENTS.items()}}
+             "text_pooled_width": cfg.model.text_pooled_width, "hidden_size": config.hidden_size,
+             "depth": config.depth, "num_heads": config.num_heads, "patch_size": config.patch_size}
     entry = MemberRecord(name="router", run="router", model=model, shape=folder.index.shape,
-                         num_classes=config["num_classes"])
+                         num_classes=config.num_classes)
     spec = entry.spec()
     _fits(folder, lambda: uninitialised_network(spec, "meta"),
           ["router/diffusion_pytorch_model.safetensors"], f"{folder.root / 'router'}/config.json")
@@ -240,11 +239,13 @@ def _imported_router(folder: _Folder, cfg, building: Path) -> dict:
     except RuntimeError as err:
         raise CheckpointError(f"{folder.root / 'router'}: not the router its config.json describes "
                               f"({str(err).splitlines()[0]})") from None
-    sha256 = _write(weights, building / "router" / "ema.safetensors")
-    return {**entry.dump(), "weights": "router/ema.safetensors", "sha256": sha256}
+    return MemberRecord(name="router", run="router", model=model, shape=folder.index.shape,
+                        num_classes=config.num_classes, weights="router/ema.safetensors",
+                        sha256=_write(weights, building / "router" / "ema.safetensors"))
 
 
-def _joined_expert(run: Path, k: int, shape: list, num_classes: int, building: Path) -> tuple[dict, list[int] | None]:
+def _joined_expert(run: Path, k: int, shape: list, num_classes: int,
+                   building: Path) -> tuple[MemberRecord, list[int] | None]:
     """A run trained here joining as expert k: its latest weights, its data's size (and count per class)."""
     cfg, info = describe_run(run)
     ckpt = latest_checkpoint(run)
@@ -288,26 +289,30 @@ def import_ensemble(source: Path, out: Path, runs: list[Path] = ()) -> Path:
         for name in (META_FILE, ARRAYS_FILE):
             (building / "partition" / name).write_bytes(folder.read(f"partition/{name}"))
         partition = folder.json(f"partition/{META_FILE}")
-        manifest = {"version": VERSION, "k": len(experts), "prior": index.prior, "partition": partition.get("method"),
-                    "experts": experts, "router": router,
-                    "imported_from": {"folder": str(source), "ddm_sha256": file_sha256(folder.index_path)}}
+        given = {}  # what only some ensembles have is absent from the others' manifest, not null
         if index.prior_by_class:
-            manifest["prior_by_class"] = index.prior_by_class[:-1]
+            given.update(prior_by_class=index.prior_by_class[:-1])
         if index.text_encoder_sha256:
-            manifest["text_encoder_sha256"] = index.text_encoder_sha256
+            given.update(text_encoder_sha256=index.text_encoder_sha256)
         if index.condition_router is not None:
             weights = folder.weights(f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}")
             sizes = index.condition_router.sizes
             condition_router_of(sizes, weights, f"{folder.root / ROUTER_FOLDER}")  # the sizes its weights have
             path = building / ROUTER_FOLDER / ROUTER_WEIGHTS
-            manifest["condition_router"] = {"name": "condition router", "weights": f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}",
-                                            "sha256": _write(weights, path), **sizes}
+            given.update(condition_router=ConditionRouterRecord(
+                name="condition router", weights=f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}", sha256=_write(weights, path),
+                **sizes))
             atomic_write_text(building / ROUTER_FOLDER / ROUTER_REPORT, json.dumps({**sizes, "calibration": {}}))
-        if runs:
-            _join(manifest, partition, runs, building)
-        config.setdefault("ddm", {})["k"] = manifest["k"]
+        manifest = dict(version=VERSION, k=len(experts), prior=index.prior, partition=partition.get("method"),
+                        experts=experts, router=router,
+                        imported_from={"folder": str(source), "ddm_sha256": file_sha256(folder.index_path)}, **given)
+        if runs:  # the routers and the shares per class were for fewer clusters: set aside
+            manifest = {k: v for k, v in manifest.items() if k not in ("condition_router", "prior_by_class")}
+            manifest.update(_join(experts, partition, runs, building))
+        manifest = EnsembleManifest.read(manifest, building / MANIFEST)
+        config.setdefault("ddm", {})["k"] = manifest.k
         (building / "config.yaml").write_text(yaml.safe_dump(config))
-        atomic_write_text(building / MANIFEST, EnsembleManifest.read(manifest, building / MANIFEST).dumps())
+        atomic_write_text(building / MANIFEST, manifest.dumps())
     except (ConfigError, DataError, CheckpointError):
         shutil.rmtree(building, ignore_errors=True)
         raise
@@ -321,12 +326,11 @@ def import_ensemble(source: Path, out: Path, runs: list[Path] = ()) -> Path:
     return finish_building(building, out)
 
 
-def _join(manifest: dict, partition: dict, runs: list[Path], building: Path) -> None:
-    """Runs trained here as experts K, K + 1, ...: sizes, priors and the manifest extended; the routers trained for
-    fewer clusters are set aside."""
-    experts = manifest["experts"]
-    shape, num_classes = experts[0]["shape"], experts[0]["num_classes"]
-    sizes = [e["size"] for e in experts]
+def _join(experts: list[MemberRecord], partition: dict, runs: list[Path], building: Path) -> dict:
+    """Runs trained here as experts K, K + 1, ... (appended to `experts`): the manifest's new sizes and priors; the
+    routers trained for fewer clusters are set aside."""
+    shape, num_classes = experts[0].shape, experts[0].num_classes
+    sizes = [e.size for e in experts]
     # [class][cluster] counts; unconditional experts draw no sample by its class
     by_class = partition.get("sizes_by_class") if num_classes else None
     if by_class is not None and (not isinstance(by_class, list) or len(by_class) != num_classes or not all(
@@ -337,16 +341,12 @@ def _join(manifest: dict, partition: dict, runs: list[Path], building: Path) -> 
     for run in runs:
         entry, counts = _joined_expert(Path(run), len(experts), shape, num_classes, building)
         experts.append(entry)
-        sizes.append(entry["size"])
+        sizes.append(entry.size)
         if by_class is not None and counts is not None:
             by_class = [row + [counts[c]] for c, row in enumerate(by_class)]
-    manifest["k"] = len(experts)
-    manifest["prior"] = [s / sum(sizes) for s in sizes]
-    if by_class is not None:
-        manifest["prior_by_class"] = [[c / sum(row) for c in row] if sum(row) else manifest["prior"]
-                                      for row in by_class]
-    else:
-        manifest.pop("prior_by_class", None)
+    prior = [s / sum(sizes) for s in sizes]
     why = f"was trained for {len(sizes) - len(runs)} clusters, not the {len(sizes)} the joined experts make"
-    manifest["router"] = {"name": "router", "run": "router", "why": why}
-    manifest.pop("condition_router", None)
+    joined = dict(k=len(experts), prior=prior, router=MemberRecord(name="router", run="router", why=why))
+    if by_class is not None:
+        joined.update(prior_by_class=[[c / sum(row) for c in row] if sum(row) else prior for row in by_class])
+    return joined

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from islands import __version__, nets
 from islands.conditions import condition_kind, network_spec
 from islands.errors import CheckpointError, ConfigError
+from islands.export.records import RUN_RECORD, ExportRecord
 from islands.generate import load_denoiser
 from islands.nets import OWN_NETWORK_ARGUMENTS, NetworkSpec
 from islands.nets.diffusers_net import NULL_CAPTION
@@ -44,7 +45,6 @@ COMPONENT = {"UNet2DModel": "unet", "UNet2DConditionModel": "unet", "DiTTransfor
 # from_pretrained then loads the folder whole. The others' pipelines also want an autoencoder or text encoders; their
 # folders are loaded a component at a time (`from_pretrained(OUT, subfolder=...)`).
 PIPELINE = {"UNet2DModel": "DDPMPipeline"}
-RECORD = "islands_export.json"
 # the arguments an exported Islands network reads a caption from (it holds its null caption itself)
 CAPTION = ("encoder_hidden_states", "encoder_attention_mask", "pooled_projections")
 
@@ -173,14 +173,13 @@ def export_run(run_dir: Path, out: Path) -> Path:
     (building / "model_index.json").write_text(json.dumps(
         {"_class_name": PIPELINE.get(class_name, "DiffusionPipeline"), "_diffusers_version": diffusers.__version__,
          component: [library, class_name], "scheduler": ["diffusers", type(scheduler).__name__]}, indent=2))
-    record = {"islands_version": __version__, "run_dir": str(run_dir), "checkpoint": ckpt.name,
-              "weights": weights_file(ckpt, True).name, "config_sha256": file_sha256(run_dir / CONFIG),
-              "config": yaml.safe_load((run_dir / CONFIG).read_text()),
-              **kind.export_record(cfg, run_dir, *((CAPTION, None) if own else
-                                                   (getattr(net, "caption_arguments", ()), NULL_CAPTION))),
-              "files": {str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*"))
-                        if p.suffix in (".safetensors", ".py")}}
-    (building / RECORD).write_text(json.dumps(record, indent=2))
+    ExportRecord(islands_version=__version__, run_dir=str(run_dir), checkpoint=ckpt.name,
+                 weights=weights_file(ckpt, True).name, config_sha256=file_sha256(run_dir / CONFIG),
+                 config=yaml.safe_load((run_dir / CONFIG).read_text()),
+                 **kind.export_record(cfg, run_dir, *((CAPTION, None) if own else
+                                                      (getattr(net, "caption_arguments", ()), NULL_CAPTION))),
+                 files={str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*"))
+                        if p.suffix in (".safetensors", ".py")}).write(building / RUN_RECORD)
     if out.exists():
         out.rmdir()
     building.rename(out)

@@ -31,13 +31,18 @@ class Preempted(TrainingStopped):
 
 class Preemption:
     """The flag the preemption signals set, and the ranks' agreement on it. Installed in the main thread for the run
-    and restored afterwards (`close`); a signal that arrives before it is installed keeps its default action."""
+    and restored afterwards (`close`). A signal that came while the process started up is taken over from the
+    handler the command line installed first thing (islands/cli.py, `EarlySignals`: anything with `received`, a
+    (signal, time) or None), since the default action would kill a process that has not written its checkpoint."""
 
     def __init__(self, world: World):
         self.world = world
         self.signal: int | None = None
         self.received_at: float | None = None
         self.previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        early = next((h.received for h in self.previous.values() if getattr(h, "received", None)), None)
+        if early is not None:
+            self.signal, self.received_at = early
 
     def _handle(self, signum, frame) -> None:  # only a flag: the loop acts on it at a step boundary
         if self.signal is None:
