@@ -269,3 +269,13 @@ def test_data_cache_keeps_whole_shards_within_its_budget_and_reads_the_same_exam
     os.utime(kept[0], ns=(0, 0))  # the least recently used goes first
     storage.DiskCache(tmp_path / "cache" / "tars", budget).make_room(max(sizes))
     assert not kept[0].exists() and all(p.exists() for p in kept[1:])
+
+
+def test_blocks_is_the_default_order_for_a_url_and_global_stays_it_for_a_local_folder(tmp_path, image_npz):
+    def order(path, **data):
+        return validate(tiny_unet_config(tmp_path / "r", image_npz, data={"source": "shards", "path": path,
+                                                                           **data})).data.order
+
+    assert order("s3://bucket/shards") == "blocks" and order("https://host/shards/") == "blocks"
+    assert order(str(tmp_path / "shards")) == "global" and order(f"file://{tmp_path}/shards") == "global"
+    assert order("s3://bucket/shards", order="global") == "global"  # what a config says stays

@@ -82,3 +82,24 @@ def test_a_run_in_block_order_resumes_bit_identically(tmp_path, image_npz):
     a, b, c = (load_weights(latest_checkpoint(run) / "model.safetensors") for run in (straight, resumed, other))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)  # the order is not the global one
+
+
+def test_ranks_read_disjoint_shares_that_make_up_every_position_once():
+    """Each position of an epoch in blocks order is read by exactly one rank (and the whole epoch by the ranks
+    together): what rank r of 3 reads is its slice of every global batch, never another's."""
+    n = SHARDS[-1]
+    source = _ArraySource(torch.arange(n, dtype=torch.float32)[:, None].expand(n, 4).contiguous(), None, 0)
+    per_rank = [_rank_pairs(source, rank) for rank in range(3)]
+    positions = [{p for p, _ in share} for share in per_rank]
+    assert all(not (a & b) for i, a in enumerate(positions) for b in positions[i + 1:])
+    union = set().union(*per_rank)
+    assert {p for p, _ in union} == set(range(13 * 12))  # 156: past the epoch's 156 examples exactly
+    assert sorted(e for p, e in union if p < n) == list(range(n))  # every example once in the epoch
+
+
+def _rank_pairs(source, rank: int) -> set:
+    loader = stream_loader(source, 12, seed=3, rank=rank, world=3, order=BlockOrder(SHARDS, 8, 3, 3))
+    seen = set()
+    for b in itertools.islice(loader, 13):
+        seen |= set(zip(b.positions.tolist(), b.x.flatten(1)[:, 0].round().long().tolist(), strict=True))
+    return seen
