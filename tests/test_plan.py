@@ -1,18 +1,21 @@
-"""`islands plan`: the ring model by hand, the bytes it prices against what runs booked, the DiT paper's own size
-of DiT-XL/2, and its prediction for this machine against a measured 2-rank run."""
+"""`islands plan`: the ring model by hand, the bytes it prices against what runs booked, the calls FSDP2 really
+issues, the DiT paper's own size of DiT-XL/2, and its prediction for this machine against a measured 2-rank run."""
 
 import json
 import math
 import statistics
+import sys
 
 import pytest
 import yaml
-from test_parallel import NODE_OF_TWO, exact_config, on_ranks
+from test_parallel import NODE_OF_TWO, exact_config, mlp_config, on_ranks
 
 from islands.cli import main
 from islands.config import validate
+from islands.parallel.build import strategy_class
+from islands.parallel.launch import run_local_ranks
 from islands.parallel.ledger import bytes_sent
-from islands.plan.network import Link, Network
+from islands.plan.network import Link, Measured, Network
 from islands.plan.predict import Planner, collective_seconds
 from islands.train.logbook import read_metrics
 
@@ -28,6 +31,83 @@ def test_a_ring_all_reduce_costs_its_steps_latencies_and_its_bytes_at_the_bandwi
     tiny = bytes_sent("all_reduce", 8, 64)
     assert collective_seconds("all_reduce", tiny, 64, link) == pytest.approx(12 * 1e-4 + 2 * 8 / 1e9)
     assert collective_seconds("all_reduce", sent, 1, link) == 0.0
+
+
+def test_a_measured_collective_replaces_the_ring_between_the_ranks_it_was_measured_on():
+    link = Link(gbit_s=8.0, latency_us=100.0)  # 1e9 bytes/s
+    gloo = Measured(ranks=4, call_us=2000.0, gbit_s=0.8)  # 1e8 bytes/s
+    # 3 calls carrying 1e6 bytes in all: 3 calls' cost, and the bytes at the measured bandwidth
+    assert collective_seconds("reduce_scatter", 1e6, 4, link, calls=3, measured=gloo) == pytest.approx(6e-3 + 1e-2)
+    # it was measured between 4 ranks, not 2: the ring's 3 x 1 latencies and the bytes at the link's bandwidth
+    assert collective_seconds("reduce_scatter", 1e6, 2, link, calls=3, measured=gloo) == pytest.approx(3e-4 + 1e-3)
+    # a call with no booked bytes (a norm's one value) still pays its latencies: a tree's 2 log2 4 beat 6 steps
+    assert collective_seconds("all_reduce", 0.0, 4, link, calls=1) == pytest.approx(4e-4)
+    assert collective_seconds("all_reduce", 0.0, 4, link, calls=0) == 0.0
+
+
+# One training step of a 3-block MLP under a layout on 2 ranks, counting the collectives the layout issues through
+# the ledger (FSDP2 issues none on a group of one rank)
+COUNT_CALLS = """
+import collections, json, sys
+import torch
+from islands.parallel.build import strategy_class
+from islands.parallel.launch import close_world, init_world
+from islands.parallel.ledger import Ledger
+from islands.parallel.probe import described_network
+
+world = init_world(timeout_s=60)
+calls = collections.Counter()
+class Counting(Ledger):
+    def record(self, collective, payload_bytes, ranks=None):
+        calls[collective] += 1
+net, inputs = described_network(sys.argv[1])
+model = strategy_class(sys.argv[2]).layout_class(world, Counting(world.size)).wrap(net)
+model(*inputs).square().mean().backward()
+print(json.dumps(calls))
+close_world()
+"""
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_the_calls_a_sharded_step_is_priced_at_are_the_calls_fsdp2_issues(tmp_path, strategy):
+    """One all-gather per unit in forward (the 3 blocks and the root), again per block in backward where the
+    blocks reshard after forward (fsdp), and one reduce-scatter per unit: each call pays its latency."""
+    cfg = validate(mlp_config(tmp_path))
+    described = tmp_path / "network.json"
+    described.write_text(json.dumps({"model": cfg.model.model_dump(), "shape": [2], "classes": 3, "batch": 8}))
+    done = run_local_ranks([sys.executable, "-c", COUNT_CALLS, str(described), strategy], 2, timeout_s=120)
+    assert all(rank.returncode == 0 for rank in done), done[0].stderr[-3000:] + done[1].stderr[-3000:]
+    issued = [json.loads(rank.stdout.strip().splitlines()[-1]) for rank in done]
+    net = Planner(cfg, Network(**NODE_OF_TWO, name="n"), (2,), 3).net
+    priced = strategy_class(strategy).costs.messages(net)
+    assert issued[0] == issued[1] == {k: v for k, v in priced.items() if k in ("all_gather", "reduce_scatter")}
+    assert issued[0]["all_gather"] == {"zero2": 4, "fsdp": 7}[strategy] and issued[0]["reduce_scatter"] == 4
+
+
+def test_measured_collectives_and_host_work_price_this_machines_steps(tmp_path):
+    """Where the network measured the collectives between its ranks, the layouts' host work and the ranks' wait for
+    the slowest, a step is the compute, the host work of its layout, that wait, and each collective's calls and
+    bytes as measured: by hand here."""
+    gloo = {kind: Measured(ranks=2, call_us=call, gbit_s=8.0) for kind, call in
+            (("all_reduce", 100.0), ("all_gather", 200.0), ("reduce_scatter", 300.0))}  # 1e9 bytes/s
+    network = Network(name="m", gpus_per_node=2, gpu_tflops=1.0, mfu=1.0, overlap=0.0,
+                      node={"gbit_s": 80.0, "latency_us": 1.0}, collectives=gloo,
+                      host_s={"zero2": 0.01, "fsdp": 0.02}, wait_s=0.005, copy_gbit_s=80.0)  # 1e10 bytes/s
+    planner = Planner(validate(mlp_config(tmp_path)), network, (2,), 3)
+    rows = {r.strategy: r for r in planner.rows((10,))}
+    units = len(planner.net.blocks) + 1
+    for strategy, gathers, host in (("zero2", units, 0.01), ("fsdp", 2 * units - 1, 0.02), ("ddp", 0, 0.0)):
+        row = rows[strategy]
+        # all-reduces: the gradient norm's (sharded) or the buckets (ddp), and the two agreements of every step
+        # (a finite step, a preemption)
+        calls = (1e-4 * ((1 if strategy != "ddp" else planner.buckets) + 2) + 2e-4 * gathers
+                 + 3e-4 * (units if strategy != "ddp" else 0))
+        # FSDP2 copies each unit in and out of its flat buffers: those bytes at the rate the machine copies
+        copies = strategy_class(strategy).costs.copied_bytes(planner.net, 2) / 1e10
+        assert (copies > 0) == (strategy != "ddp")
+        assert row.host_s == pytest.approx(host + copies)
+        assert row.step_s == pytest.approx(row.compute_s + host + copies + 0.005 + calls
+                                           + sum(row.bytes_per_step.values()) / 1e9)
 
 
 def test_the_slowest_link_of_a_group_is_the_widest_level_it_spans():

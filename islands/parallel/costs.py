@@ -24,6 +24,9 @@ class Costs:
     """A single process: it sends nothing, and holds fp32 weights, gradients and AdamW's two moments."""
 
     plan_compression = "none"  # the parallel.compression `islands plan` prices it with
+    # whether its layout does host work each step that no collective accounts for (hooks, DTensor bookkeeping),
+    # which `islands plan --network this-machine` measures on one rank and adds to the step (plan/this_machine.py)
+    host_overhead = False
 
     def bytes_per_step(self, net: nn.Module, world: int, accumulate: int = 1, compression: str = "none",
                        precision: str = "fp32", sync_every: int = 1, replicas: int | None = None) -> dict[str, float]:
@@ -34,8 +37,13 @@ class Costs:
         """Bytes each accelerator holds per parameter: weights, gradients, AdamW's moments (and what else it keeps)."""
         return 16.0
 
+    def copied_bytes(self, net: nn.Module, world: int, accumulate: int = 1, precision: str = "fp32") -> float:
+        """Bytes one rank copies in memory per step around its collectives, beyond what the collectives do."""
+        return 0.0
+
     def messages(self, net: nn.Module, accumulate: int = 1) -> dict[str, int]:
-        """How many messages each collective of a step is issued as (each pays the link's latency)."""
+        """How many messages each collective of a step is issued as (each pays the link's latency); a kind with no
+        bytes in `bytes_per_step` is a call of a few values (latency only)."""
         return {}
 
 

@@ -136,7 +136,16 @@ class Zero2Layout(FSDPLayout):
 
 class ShardedCosts(Costs):
     """FSDP gathers every block in forward (and, with `regather`, again in backward), once per micro-batch, and the
-    root once, in bf16 when training in bf16, and reduce-scatters each unit's gradients once per step."""
+    root once, in bf16 when training in bf16, and reduce-scatters each unit's gradients once per step.
+
+    Each gather and each reduce-scatter is one call per unit (FSDP2 packs a unit's parameters in one flat buffer),
+    so a step pays a unit's latency several times where DDP pays one bucket's; the gradient norm of sharded
+    gradients is one more all-reduce (of one value) a step. Around every call FSDP2 copies the unit in and out of
+    its flat buffers (`copied_bytes`) and runs its hooks, and the optimizer, the norm and the EMA step DTensors:
+    host work that `islands plan --network this-machine` measures on one rank (`host_overhead`; on one rank FSDP2
+    gathers and scatters nothing, so its copies are priced apart, at the rate the machine copies)."""
+
+    host_overhead = True
 
     def __init__(self, regather: bool):
         self.regather = regather
@@ -151,13 +160,24 @@ class ShardedCosts(Costs):
         return {"all_gather": bytes_sent("all_gather", accumulate * gathered, world),
                 "reduce_scatter": bytes_sent("reduce_scatter", everything * wire, world)}
 
+    def copied_bytes(self, net: nn.Module, world: int, accumulate: int = 1, precision: str = "fp32") -> float:
+        # FSDP2 copies each unit's shards into the gather's flat buffer and the gathered buffer out into the
+        # parameters (1/W + 1 of what is gathered), and the gradients into the reduce-scatter's buffer, then the
+        # rank's averaged shard out (1 + 1/W of the gradients)
+        blocks = sharded_bytes([p for b in net.blocks for p in b.parameters()], world)
+        everything = sharded_bytes(net.parameters(), world)
+        gathered = (everything + (blocks if self.regather else 0)) * (0.5 if precision == "bf16" else 1)
+        return (1 + 1 / world) * (accumulate * gathered + everything)
+
     def state_bytes(self, world: int) -> float:
         # fsdp shards all of it; zero2 keeps the weights whole between forward and backward
         return 16 / world if self.regather else 4 + 12 / world
 
     def messages(self, net: nn.Module, accumulate: int = 1) -> dict[str, int]:
-        units = len(net.blocks) + 1 if hasattr(net, "blocks") else 1
-        return {"all_gather": units * accumulate * (2 if self.regather else 1), "reduce_scatter": units}
+        blocks = len(net.blocks) if hasattr(net, "blocks") else 0
+        # the root (needed first in backward) is not resharded after forward: only the blocks are gathered again
+        gathers = blocks + 1 + (blocks if self.regather else 0)
+        return {"all_gather": gathers * accumulate, "reduce_scatter": blocks + 1, "all_reduce": 1}
 
 
 class FSDPStrategy(Strategy):

@@ -4,6 +4,15 @@ Ranks are numbered island by island, node by node, as torchrun numbers them. A l
 one ring crossing it gets and its latency per message: between two accelerators of a node (NVLink, or loopback
 for processes on one machine), between two nodes of an island, between two islands. Rings that cross the same link
 at once share its bandwidth.
+
+A measured machine (`this-machine`) adds what a ring model cannot know: each collective's own cost between the
+node's ranks as this backend implements it beside the compute (`collectives`; gloo's reduce-scatter is an
+all-reduce of the whole buffer, for one), the seconds a strategy's layout spends on the host each step whatever the
+peers do (`host_s`: FSDP2's hooks and DTensor bookkeeping, measured on one rank), the rate a process copies
+memory (`copy_gbit_s`: FSDP2 copies every unit into and out of flat buffers) and what a step's first
+synchronisation waits for the slowest rank (`wait_s`). A cluster described by hand leaves them out: NCCL's
+collectives are the rings the model prices, a GPU's host work runs ahead of its kernels, and its ranks do not share
+cores.
 """
 
 from pathlib import Path
@@ -28,6 +37,19 @@ class Link(BaseModel):
         return self.latency_us * 1e-6
 
 
+class Measured(BaseModel):
+    """One collective as measured between `ranks` processes: a call takes `call_us` (what a call of one value
+    takes) plus the bytes the ledger books for it at `gbit_s`, beside the compute of a training step."""
+
+    model_config = ConfigDict(extra="forbid")
+    ranks: int = Field(ge=2)
+    call_us: float = Field(ge=0)
+    gbit_s: float = Field(gt=0)
+
+    def seconds(self, sent: float, calls: int = 1) -> float:
+        return calls * self.call_us * 1e-6 + sent * 8 / (self.gbit_s * 1e9)
+
+
 class Network(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
@@ -42,6 +64,14 @@ class Network(BaseModel):
     node: Link  # between two accelerators of a node
     cluster: Link | None = None  # between two nodes of an island (needed when nodes_per_island > 1)
     island: Link | None = None  # between two islands (needed when islands > 1)
+    # measured on this machine only (see above): by ledger collective, and by strategy
+    collectives: dict[str, Measured] = Field(default_factory=dict)
+    host_s: dict[str, float] = Field(default_factory=dict)
+    # what the ranks' first synchronisation in a step waits for the slowest of them beyond the call itself, where
+    # they share cores with other work (stragglers, measured); 0 on a cluster described by hand
+    wait_s: float = Field(0.0, ge=0)
+    # the rate one process copies memory (this machine); None: copies are not priced (HBM copies in microseconds)
+    copy_gbit_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _links(self):

@@ -8,7 +8,14 @@ The model, stated once:
 - a collective over W ranks is a ring of W - 1 steps (2 (W - 1) for an all-reduce), each paying the slowest link's
   latency, and the bytes the ledger books for it cross that link at its bandwidth, shared by the rings crossing it
   at once; an all-reduce takes a tree instead (2 log2 W latencies) when that is faster, as NCCL chooses; a
-  collective is issued once per DDP bucket (25 MiB) or FSDP unit;
+  collective is issued once per DDP bucket (25 MiB) or FSDP unit (each gather and each reduce-scatter of a unit
+  is one call, all its parameters in one flat buffer), and a latency-only call (FSDP's gradient norm) costs its
+  latencies; where the network measured a collective between the node's ranks (this-machine), its measured cost
+  replaces the ring's; every step the ranks of a data-parallel group agree whether it was finite and whether
+  one of them was told to stop (two more all-reduces of one value);
+- a strategy's host work per step (`Network.host_s`, and its copies around the collectives at
+  `Network.copy_gbit_s`; this-machine only) adds to the step, hidden behind nothing, and so does the wait of ranks
+  that synchronise every step for the slowest of them (`Network.wait_s`, measured);
 - gradient traffic (ddp, zero, fsdp, pipeline) hides behind `overlap` of the backward pass (2/3 of compute); the
   local updates' exchange and ZeRO-1's parameter broadcast do not overlap (Islands issues them after the step);
 - activation memory and the data loader are not modelled; state memory is weights, gradients and AdamW's moments.
@@ -25,11 +32,13 @@ from islands.parallel.build import strategy_class
 from islands.parallel.costs import LOCAL, carry_bytes, ddp_buckets, dense_bytes
 from islands.parallel.ledger import bytes_sent
 from islands.parallel.pipeline import balanced_cut, block_costs, example_input
-from islands.plan.network import Link, Network
+from islands.plan.network import Link, Measured, Network
 from islands.train.flops import flops_per_image
 from islands.train.objectives import build_objective
 
 SYNC_EVERY = (10, 50, 100, 200)
+DENSE = ("ddp", "zero1", "zero2", "fsdp")  # every rank a data-parallel copy (sharded or not) of the network
+AGREEMENTS = 2  # one-value all-reduces the trainer makes every step: a finite step? a preemption? (trainer/loop.py)
 ALL_REDUCES = ("all_reduce", "outer_all_reduce")  # 2 (W - 1) ring steps; the other collectives W - 1
 BLOCKING = ("outer_all_reduce", "broadcast")  # issued after the step, nothing to hide behind
 
@@ -42,6 +51,8 @@ class Row:
     compute_s: float = 0.0  # per optimizer step
     comm_s: float = 0.0  # communication per step, all of it
     exposed_s: float = 0.0  # the part not hidden behind compute
+    host_s: float = 0.0  # the layout's own host work per step (hooks, copies), measured on this machine
+    wait_s: float = 0.0  # the ranks' first synchronisation in a step waiting for the slowest (this machine)
     step_s: float = 0.0
     steps: int = 0
     hours: float = 0.0
@@ -52,11 +63,15 @@ class Row:
         return asdict(self)
 
 
-def collective_seconds(kind: str, sent: float, ranks: int, link: Link, sharing: int = 1, calls: int = 1) -> float:
+def collective_seconds(kind: str, sent: float, ranks: int, link: Link, sharing: int = 1, calls: int = 1,
+                       measured: Measured | None = None) -> float:
     """Seconds for a collective of which each of `ranks` ranks sends `sent` bytes (the ledger's count), over
-    `link` shared by `sharing` rings, issued as `calls` messages of equal size."""
-    if ranks <= 1 or sent <= 0:
+    `link` shared by `sharing` rings, issued as `calls` messages of equal size (with no bytes: latency only);
+    as `measured` between these ranks, when it was."""
+    if ranks <= 1 or (sent <= 0 and calls <= 0):
         return 0.0
+    if measured is not None and measured.ranks == ranks:
+        return measured.seconds(sent * sharing, calls)
     steps = 2 * (ranks - 1) if kind in ALL_REDUCES else ranks - 1
     ring = calls * steps * link.latency_s + sent * sharing / link.bytes_s
     if kind not in ALL_REDUCES:
@@ -94,21 +109,27 @@ class Planner:
         """(hideable seconds, blocking seconds, slowest link) of one step's `sent` bytes over a group of `ranks`
         whose members lie within `span` consecutive ranks (default: `ranks`, a contiguous group)."""
         where, link = self.net_desc.slowest(span or ranks)
+        measured = self.net_desc.collectives if where == "node" else {}
+        calls = calls or {}
         hide = block = 0.0
-        for kind, b in sent.items():
-            seconds = collective_seconds(kind, b, ranks, link, sharing, (calls or {}).get(kind, 1))
+        for kind in {**sent, **calls}:  # a call may carry no booked bytes (a norm's one value)
+            seconds = collective_seconds(kind, sent.get(kind, 0.0), ranks, link, sharing,
+                                         calls.get(kind, 1 if sent.get(kind, 0.0) > 0 else 0), measured.get(kind))
             if kind in BLOCKING:
                 block += seconds
             else:
                 hide += seconds
         return hide, block, where if ranks > 1 else "-"
 
-    def finish(self, row: Row, compute: float, hide: float, block: float, extra: float = 1.0) -> Row:
-        """Fill in the row's times: `extra` scales the whole run (the router's share for the experts)."""
-        row.compute_s = compute
+    def finish(self, row: Row, compute: float, hide: float, block: float, extra: float = 1.0,
+               host: float = 0.0, synced: bool = False) -> Row:
+        """Fill in the row's times: `extra` scales the whole run (the router's share for the experts), `host` is
+        the layout's own work per step; `synced`: the ranks synchronise every step, and wait for the slowest."""
+        row.compute_s, row.host_s = compute, host
+        row.wait_s = self.net_desc.wait_s if synced else 0.0
         row.comm_s = hide + block
         row.exposed_s = max(0.0, hide - self.net_desc.overlap * compute * 2 / 3) + block
-        row.step_s = compute + row.exposed_s
+        row.step_s = compute + row.exposed_s + host + row.wait_s
         row.steps = self.steps
         row.hours = row.steps * row.step_s * extra / 3600
         return row
@@ -120,9 +141,18 @@ class Planner:
     def dense(self, strategy: str) -> Row:
         cfg, W, costs = self.cfg, self.W, strategy_class(strategy).costs
         sent = costs.bytes_per_step(self.net, W, cfg.train.accumulate, cfg.parallel.compression, cfg.train.precision)
-        hide, block, where = self.traffic_s(sent, W, calls=costs.messages(self.net, cfg.train.accumulate))
+        calls = costs.messages(self.net, cfg.train.accumulate)
+        # and every step the ranks agree whether it was finite (to skip it together) and whether any of them was
+        # told to stop (preemption): two all-reduces of one value
+        calls = {**calls, "all_reduce": calls.get("all_reduce", 1 if sent.get("all_reduce") else 0) + AGREEMENTS}
+        hide, block, where = self.traffic_s(sent, W, calls=calls)
         row = Row(strategy, f"{W} ranks", sent, state_gib=self.state_gib(costs.state_bytes(W)), slowest=where)
-        return self.finish(row, self.compute_s(self.batch / W), hide, block)
+        host = self.net_desc.host_s.get(strategy, 0.0)
+        if self.net_desc.copy_gbit_s:  # the copies around its collectives, on the host where it measured them
+            copied = costs.copied_bytes(self.net, W, cfg.train.accumulate, cfg.train.precision)
+            host += copied * 8 / (self.net_desc.copy_gbit_s * 1e9)
+        return self.finish(row, self.compute_s(self.batch / W), hide, block, host=host if W > 1 else 0.0,
+                           synced=W > 1)
 
     def local(self, strategy: str, every: int) -> Row:
         """Each island one replica (DDP inside it), or each accelerator one when there is one island."""
@@ -144,7 +174,8 @@ class Planner:
         name = f"{strategy} H={every}" + (f" {compression}" if compression != "none" else "")
         row = Row(name, f"{replicas} replicas x {per}", sent, state_gib=self.state_gib(costs.state_bytes(self.W)),
                   slowest=where)
-        return self.finish(row, self.compute_s(self.batch / self.W), hide, block)
+        # every step the replicas agree whether it was finite (the world's all-reduce of one value)
+        return self.finish(row, self.compute_s(self.batch / self.W), hide, block, synced=self.W > 1)
 
     def pipeline(self) -> Row | None:
         """The stages on the accelerators of a node (1F1B), data parallel across nodes and islands."""
@@ -190,7 +221,7 @@ class Planner:
                            extra=1 + self.cfg.ddm.router.flops_fraction)
 
     def rows(self, sync_every=SYNC_EVERY) -> list[Row]:
-        rows = [self.dense(s) for s in ("ddp", "zero1", "zero2", "fsdp")]
+        rows = [self.dense(s) for s in DENSE]
         if (pipe := self.pipeline()) is not None:
             rows.append(pipe)
         for strategy in LOCAL:
