@@ -279,3 +279,16 @@ def test_blocks_is_the_default_order_for_a_url_and_global_stays_it_for_a_local_f
     assert order("s3://bucket/shards") == "blocks" and order("https://host/shards/") == "blocks"
     assert order(str(tmp_path / "shards")) == "global" and order(f"file://{tmp_path}/shards") == "global"
     assert order("s3://bucket/shards", order="global") == "global"  # what a config says stays
+
+
+def test_refused_credentials_are_one_line_naming_where_credentials_come_from(tmp_path, image_npz, s3, capsys,
+                                                                             monkeypatch):
+    """moto checks no signature by default; with its authentication on, the fake keys are an unknown user's."""
+    from moto import settings
+
+    _shard(tmp_path, image_npz, f"{s3}/shards")
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    _fresh_clients()
+    assert main(["train", _config(tmp_path, image_npz, source="shards", path=f"{s3}/shards"), "--quiet"]) == 2
+    err = _one_line(capsys)
+    assert f"{s3}/shards/manifest.json" in err and "access refused" in err and "AWS_ACCESS_KEY_ID" in err, err
