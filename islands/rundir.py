@@ -16,6 +16,7 @@ over its name, so a reader sees the old file or the new one, never half of one. 
 are safetensors, arrays come from .npz archives read with allow_pickle=False.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -348,11 +349,35 @@ def start_building(out: Path) -> Path:
     return building
 
 
-def finish_building(building: Path, out: Path) -> Path:
-    """The built folder, its marker taken out, renamed to `out` (which must be absent or an empty folder)."""
+def finish_building(building: Path, out: Path, replace: bool = False) -> Path:
+    """The built folder, its marker taken out, renamed to `out` (which must be absent or an empty folder; with
+    `replace`, a full one is moved aside to `.OUT.old` first and removed once the new one is in place)."""
+    import shutil
+
     (Path(building) / BUILDING_MARKER).unlink()
     out = Path(out)
-    if out.exists():
+    old = out.with_name(f".{out.name}.old") if replace and out.exists() else None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+    elif out.exists():
         out.rmdir()
     Path(building).rename(out)
+    if old is not None:
+        shutil.rmtree(old)
     return out
+
+
+@contextlib.contextmanager
+def built_beside(out: Path, replace: bool = False):
+    """The one way Islands writes a whole folder: built in a fresh, marked `.OUT.partial` (yielded), renamed to
+    `out` when the block ends (`finish_building`), removed when it raises, so `out` is never seen half written."""
+    import shutil
+
+    building = start_building(out)
+    try:
+        yield building
+        finish_building(building, out, replace)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise

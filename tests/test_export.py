@@ -444,6 +444,32 @@ def test_an_export_record_is_read_as_its_model_and_a_wrong_key_is_refused_in_one
         ExportRecord.load(path)
 
 
+def test_a_folder_is_built_beside_its_place_and_renamed_into_it_whole_or_not_at_all(tmp_path):
+    """rundir.built_beside, the one way exports, imports and the autoencoder's folder are written."""
+    from islands.rundir import BUILDING_MARKER, built_beside
+
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="disk full"), built_beside(out) as building:
+        (building / "half.safetensors").write_text("half")
+        raise OSError("disk full")
+    assert sorted(tmp_path.iterdir()) == []  # neither the folder nor its partial sibling
+    with built_beside(out) as building:
+        assert building == tmp_path / ".out.partial" and (building / BUILDING_MARKER).is_file()
+        (building / "a").write_text("first")
+        assert not out.exists()  # nothing at its place until it is whole
+    assert sorted(p.name for p in out.iterdir()) == ["a"] and sorted(tmp_path.iterdir()) == [out]
+    with pytest.raises(OSError), built_beside(out) as building:  # a full folder is replaced only when asked
+        (building / "a").write_text("second")
+    assert (out / "a").read_text() == "first" and sorted(tmp_path.iterdir()) == [out]
+    with built_beside(out, replace=True) as building:
+        (building / "b").write_text("second")
+    assert sorted(p.name for p in out.iterdir()) == ["b"] and sorted(tmp_path.iterdir()) == [out]
+    (tmp_path / ".mine.partial").mkdir()
+    with pytest.raises(ConfigError, match="is not a folder Islands was building"), built_beside(tmp_path / "mine"):
+        pass
+    assert (tmp_path / ".mine.partial").is_dir() and not (tmp_path / "mine").exists()
+
+
 def test_the_shipped_networks_import_each_other_relatively_and_nothing_else_of_islands():
     assert shipped_source("dit", "from islands.nets.layers import modulate\nx = 'islands.nets.layers'\n") == (
         "from .layers import modulate\nx = 'islands.nets.layers'\n")

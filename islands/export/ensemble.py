@@ -33,7 +33,7 @@ from islands.export.run import null_caption, own_model, scheduler_for, shipped_s
 from islands.nets import OWN_NETWORK_ARGUMENTS
 from islands.nets.diffusers_net import NULL_CAPTION
 from islands.nets.diffusers_wrapper import SHIPPED
-from islands.rundir import BUILDING_MARKER, finish_building, start_building
+from islands.rundir import BUILDING_MARKER, built_beside
 from islands.untrusted import file_sha256
 
 
@@ -80,56 +80,57 @@ def export_ensemble(root: Path, out: Path) -> Path:
     _refuse_unless_exportable(root, manifest, cfg)
     condition_kind(cfg.model).check_exportable(cfg)
 
-    building = start_building(out)  # one a killed export left is removed; a person's `.OUT.partial` refused
-    experts = []
-    for k, entry in enumerate(manifest.experts):
-        arch, folder = entry.arch, f"expert_{k}"
-        net = entry.network(read_verified(root, entry), "cpu")
-        if arch == "diffusers":
-            model = net.to_diffusers()
-        else:  # Islands' own network, as the diffusers class whose code ships in islands_networks/
-            model = own_model(entry.config(), entry.spec(), net)
-        model.save_pretrained(building / folder, safe_serialization=True)
-        if arch == "diffusers" and net.text is not None:  # its learned "no caption", not among the class's weights
-            save_file(null_caption(net), building / folder / NULL_CAPTION)
-        experts.append(ExportedExpert(name=entry.name, folder=folder, class_name=type(model).__name__, cluster=k,
-                                      size=entry.size, source_sha256=entry.sha256, islands_model=entry.model))
-    if any(e.arch != "diffusers" for e in manifest.experts):
-        write_package(building, {name: shipped_source(name) for name in SHIPPED})
-    first = manifest.experts[0]
-    # how a prompt becomes the experts' condition (every expert encodes alike)
-    condition = {key: {k: v for k, v in record.items() if k not in ("arguments", "null_caption")}
-                 for key, record in condition_kind(cfg.model).export_record(cfg, root / first.run).items()}
-    router = manifest.router
-    if router.trained:  # without one, only ancestral routing samples it
-        model = diffusers_pipeline.DDMRouter(**_router_arguments(router))
-        model.load_state_dict(read_verified(root, router))  # strict: every weight under the same name
-        model.save_pretrained(building / "router", safe_serialization=True)
-    if (spec := manifest.condition_router) is not None:
-        (building / ROUTER_FOLDER).mkdir()
-        save_file(read_verified(root, spec), building / ROUTER_FOLDER / ROUTER_WEIGHTS)
-    scheduler_for(cfg).save_pretrained(building / "scheduler")
-    (building / "partition").mkdir()
-    for name in (META_FILE, ARRAYS_FILE):
-        shutil.copyfile(partition_dir(cfg) / name, building / "partition" / name)
-    shutil.copyfile(diffusers_pipeline.__file__, building / "pipeline.py")
-    given = {}  # what only some ensembles have is absent from the others' index, not null
-    if manifest.prior_by_class:  # the last row: no class, the sizes
-        given.update(prior_by_class=manifest.prior_by_class + [manifest.prior])
-    if router.trained:
-        given.update(router="router")
-    if spec is not None:
-        given.update(condition_router=ConditionRouterRecord(**spec.sizes, weights=f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}"))
-    index = ExportedIndex.read(dict(
-        class_name="DDMPipeline", islands_version=__version__, version=VERSION, k=manifest.k, shape=first.shape,
-        num_classes=cfg.model.num_classes, condition=cfg.model.condition, prior=manifest.prior, experts=experts,
-        **condition, **given,
-        sample={"routing": DEFAULT_ROUTING, "steps": cfg.sample.steps, "guidance": cfg.sample.guidance,
-                "time_shift": cfg.sample.time_shift or 1.0},
-        islands_config=yaml.safe_load((root / "config.yaml").read_text()),
-        files={str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*"))
-               if p.is_file() and p.name != BUILDING_MARKER}),  # the marker leaves before the rename
-        building / INDEX)
-    (building / INDEX).write_text(index.dumps())
-    return finish_building(building, out)
+    with built_beside(out) as building:  # one a killed export left is removed; a person's `.OUT.partial` refused
+        experts = []
+        for k, entry in enumerate(manifest.experts):
+            arch, folder = entry.arch, f"expert_{k}"
+            net = entry.network(read_verified(root, entry), "cpu")
+            if arch == "diffusers":
+                model = net.to_diffusers()
+            else:  # Islands' own network, as the diffusers class whose code ships in islands_networks/
+                model = own_model(entry.config(), entry.spec(), net)
+            model.save_pretrained(building / folder, safe_serialization=True)
+            if arch == "diffusers" and net.text is not None:  # its learned "no caption", not among the class's weights
+                save_file(null_caption(net), building / folder / NULL_CAPTION)
+            experts.append(ExportedExpert(name=entry.name, folder=folder, class_name=type(model).__name__, cluster=k,
+                                          size=entry.size, source_sha256=entry.sha256, islands_model=entry.model))
+        if any(e.arch != "diffusers" for e in manifest.experts):
+            write_package(building, {name: shipped_source(name) for name in SHIPPED})
+        first = manifest.experts[0]
+        # how a prompt becomes the experts' condition (every expert encodes alike)
+        condition = {key: {k: v for k, v in record.items() if k not in ("arguments", "null_caption")}
+                     for key, record in condition_kind(cfg.model).export_record(cfg, root / first.run).items()}
+        router = manifest.router
+        if router.trained:  # without one, only ancestral routing samples it
+            model = diffusers_pipeline.DDMRouter(**_router_arguments(router))
+            model.load_state_dict(read_verified(root, router))  # strict: every weight under the same name
+            model.save_pretrained(building / "router", safe_serialization=True)
+        if (spec := manifest.condition_router) is not None:
+            (building / ROUTER_FOLDER).mkdir()
+            save_file(read_verified(root, spec), building / ROUTER_FOLDER / ROUTER_WEIGHTS)
+        scheduler_for(cfg).save_pretrained(building / "scheduler")
+        (building / "partition").mkdir()
+        for name in (META_FILE, ARRAYS_FILE):
+            shutil.copyfile(partition_dir(cfg) / name, building / "partition" / name)
+        shutil.copyfile(diffusers_pipeline.__file__, building / "pipeline.py")
+        given = {}  # what only some ensembles have is absent from the others' index, not null
+        if manifest.prior_by_class:  # the last row: no class, the sizes
+            given.update(prior_by_class=manifest.prior_by_class + [manifest.prior])
+        if router.trained:
+            given.update(router="router")
+        if spec is not None:
+            given.update(condition_router=ConditionRouterRecord(**spec.sizes,
+                                                                weights=f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}"))
+        index = ExportedIndex.read(dict(
+            class_name="DDMPipeline", islands_version=__version__, version=VERSION, k=manifest.k, shape=first.shape,
+            num_classes=cfg.model.num_classes, condition=cfg.model.condition, prior=manifest.prior, experts=experts,
+            **condition, **given,
+            sample={"routing": DEFAULT_ROUTING, "steps": cfg.sample.steps, "guidance": cfg.sample.guidance,
+                    "time_shift": cfg.sample.time_shift or 1.0},
+            islands_config=yaml.safe_load((root / "config.yaml").read_text()),
+            files={str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*"))
+                   if p.is_file() and p.name != BUILDING_MARKER}),  # the marker leaves before the rename
+            building / INDEX)
+        (building / INDEX).write_text(index.dumps())
+    return out
 

@@ -18,7 +18,6 @@ import functools
 import hashlib
 import json
 import re
-import shutil
 import warnings
 from pathlib import Path
 
@@ -39,12 +38,11 @@ from islands.nets.diffusers_net import ADAPTERS, NULL_CAPTION, DiffusersNetwork
 from islands.nets.diffusers_wrapper import EXPORTED_CLASS, PACKAGE, SHIPPED
 from islands.rundir import (
     atomic_write_text,
+    built_beside,
     describe_run,
-    finish_building,
     latest_checkpoint,
     load_weights,
     save_weights,
-    start_building,
     weights_file,
 )
 from islands.untrusted import check_fits, file_sha256, inside
@@ -281,49 +279,52 @@ def import_ensemble(source: Path, out: Path, runs: list[Path] = ()) -> Path:
     except (ValueError, ConfigError) as err:
         raise CheckpointError(f"{source / INDEX}: islands_config: {str(err).splitlines()[0]}") from None
 
-    building = start_building(out)  # a `.OUT.partial` of a person's is refused, never removed
     try:
-        experts = _imported_experts(folder, cfg, building)
-        router = _imported_router(folder, cfg, building)
-        (building / "partition").mkdir()
-        for name in (META_FILE, ARRAYS_FILE):
-            (building / "partition" / name).write_bytes(folder.read(f"partition/{name}"))
-        partition = folder.json(f"partition/{META_FILE}")
-        given = {}  # what only some ensembles have is absent from the others' manifest, not null
-        if index.prior_by_class:
-            given.update(prior_by_class=index.prior_by_class[:-1])
-        if index.text_encoder_sha256:
-            given.update(text_encoder_sha256=index.text_encoder_sha256)
-        if index.condition_router is not None:
-            weights = folder.weights(f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}")
-            sizes = index.condition_router.sizes
-            condition_router_of(sizes, weights, f"{folder.root / ROUTER_FOLDER}")  # the sizes its weights have
-            path = building / ROUTER_FOLDER / ROUTER_WEIGHTS
-            given.update(condition_router=ConditionRouterRecord(
-                name="condition router", weights=f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}", sha256=_write(weights, path),
-                **sizes))
-            atomic_write_text(building / ROUTER_FOLDER / ROUTER_REPORT, json.dumps({**sizes, "calibration": {}}))
-        manifest = dict(version=VERSION, k=len(experts), prior=index.prior, partition=partition.get("method"),
-                        experts=experts, router=router,
-                        imported_from={"folder": str(source), "ddm_sha256": file_sha256(folder.index_path)}, **given)
-        if runs:  # the routers and the shares per class were for fewer clusters: set aside
-            manifest = {k: v for k, v in manifest.items() if k not in ("condition_router", "prior_by_class")}
-            manifest.update(_join(experts, partition, runs, building))
-        manifest = EnsembleManifest.read(manifest, building / MANIFEST)
-        config.setdefault("ddm", {})["k"] = manifest.k
-        (building / "config.yaml").write_text(yaml.safe_dump(config))
-        atomic_write_text(building / MANIFEST, manifest.dumps())
+        with built_beside(out) as building:  # removed if it fails; a `.OUT.partial` of a person's is refused
+            _write_ensemble(building, folder, cfg, config, runs)
     except (ConfigError, DataError, CheckpointError):
-        shutil.rmtree(building, ignore_errors=True)
         raise
     except (KeyError, TypeError, ValueError) as err:  # an index that lacks what it names, or names it wrongly
-        shutil.rmtree(building, ignore_errors=True)
         raise CheckpointError(f"{source / INDEX}: not the index of an ensemble Islands exported "
                               f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
-    except BaseException:
-        shutil.rmtree(building, ignore_errors=True)
-        raise
-    return finish_building(building, out)
+    return out
+
+
+def _write_ensemble(building: Path, folder: _Folder, cfg, config: dict, runs: list[Path]) -> None:
+    """The ensemble directory of `folder`, written into `building`: the experts' and router's weights under Islands'
+    names, the partition, the condition router, the runs joined, config.yaml and ensemble.json."""
+    index = folder.index
+    experts = _imported_experts(folder, cfg, building)
+    router = _imported_router(folder, cfg, building)
+    (building / "partition").mkdir()
+    for name in (META_FILE, ARRAYS_FILE):
+        (building / "partition" / name).write_bytes(folder.read(f"partition/{name}"))
+    partition = folder.json(f"partition/{META_FILE}")
+    given = {}  # what only some ensembles have is absent from the others' manifest, not null
+    if index.prior_by_class:
+        given.update(prior_by_class=index.prior_by_class[:-1])
+    if index.text_encoder_sha256:
+        given.update(text_encoder_sha256=index.text_encoder_sha256)
+    if index.condition_router is not None:
+        weights = folder.weights(f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}")
+        sizes = index.condition_router.sizes
+        condition_router_of(sizes, weights, f"{folder.root / ROUTER_FOLDER}")  # the sizes its weights have
+        path = building / ROUTER_FOLDER / ROUTER_WEIGHTS
+        given.update(condition_router=ConditionRouterRecord(
+            name="condition router", weights=f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}", sha256=_write(weights, path),
+            **sizes))
+        atomic_write_text(building / ROUTER_FOLDER / ROUTER_REPORT, json.dumps({**sizes, "calibration": {}}))
+    manifest = dict(version=VERSION, k=len(experts), prior=index.prior, partition=partition.get("method"),
+                    experts=experts, router=router,
+                    imported_from={"folder": str(folder.root), "ddm_sha256": file_sha256(folder.index_path)},
+                    **given)
+    if runs:  # the routers and the shares per class were for fewer clusters: set aside
+        manifest = {k: v for k, v in manifest.items() if k not in ("condition_router", "prior_by_class")}
+        manifest.update(_join(experts, partition, runs, building))
+    manifest = EnsembleManifest.read(manifest, building / MANIFEST)
+    config.setdefault("ddm", {})["k"] = manifest.k
+    (building / "config.yaml").write_text(yaml.safe_dump(config))
+    atomic_write_text(building / MANIFEST, manifest.dumps())
 
 
 def _join(experts: list[MemberRecord], partition: dict, runs: list[Path], building: Path) -> dict:

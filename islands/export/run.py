@@ -18,7 +18,6 @@ grid ends at sigma 1 / 1000 instead of 0, so the same samples take `scheduler.se
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ from islands.generate import load_denoiser
 from islands.nets import OWN_NETWORK_ARGUMENTS, NetworkSpec
 from islands.nets.diffusers_net import NULL_CAPTION
 from islands.nets.diffusers_wrapper import PACKAGE, SHIPPED
-from islands.rundir import CONFIG, describe_run, latest_checkpoint, weights_file
+from islands.rundir import CONFIG, built_beside, describe_run, latest_checkpoint, weights_file
 from islands.untrusted import file_sha256
 
 # the folder each class's pipelines read it from
@@ -161,26 +160,21 @@ def export_run(run_dir: Path, out: Path) -> Path:
     class_name = type(model).__name__
     component = COMPONENT[class_name]
 
-    building = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(building, ignore_errors=True)  # a partial one left by an export that was killed
-    building.mkdir(parents=True)
-    model.save_pretrained(building / component, safe_serialization=True)
-    scheduler.save_pretrained(building / "scheduler")
-    if own:
-        write_package(building, sources)
-    elif getattr(net, "text", None) is not None:  # the null that unconditional samples and guidance read
-        save_file(null_caption(net), building / NULL_CAPTION)
-    (building / "model_index.json").write_text(json.dumps(
-        {"_class_name": PIPELINE.get(class_name, "DiffusionPipeline"), "_diffusers_version": diffusers.__version__,
-         component: [library, class_name], "scheduler": ["diffusers", type(scheduler).__name__]}, indent=2))
-    ExportRecord(islands_version=__version__, run_dir=str(run_dir), checkpoint=ckpt.name,
-                 weights=weights_file(ckpt, True).name, config_sha256=file_sha256(run_dir / CONFIG),
-                 config=yaml.safe_load((run_dir / CONFIG).read_text()),
-                 **kind.export_record(cfg, run_dir, *((CAPTION, None) if own else
-                                                      (getattr(net, "caption_arguments", ()), NULL_CAPTION))),
-                 files={str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*"))
-                        if p.suffix in (".safetensors", ".py")}).write(building / RUN_RECORD)
-    if out.exists():
-        out.rmdir()
-    building.rename(out)
+    with built_beside(out) as building:  # one a killed export left is removed; a person's `.OUT.partial` refused
+        model.save_pretrained(building / component, safe_serialization=True)
+        scheduler.save_pretrained(building / "scheduler")
+        if own:
+            write_package(building, sources)
+        elif getattr(net, "text", None) is not None:  # the null that unconditional samples and guidance read
+            save_file(null_caption(net), building / NULL_CAPTION)
+        (building / "model_index.json").write_text(json.dumps(
+            {"_class_name": PIPELINE.get(class_name, "DiffusionPipeline"), "_diffusers_version": diffusers.__version__,
+             component: [library, class_name], "scheduler": ["diffusers", type(scheduler).__name__]}, indent=2))
+        ExportRecord(islands_version=__version__, run_dir=str(run_dir), checkpoint=ckpt.name,
+                     weights=weights_file(ckpt, True).name, config_sha256=file_sha256(run_dir / CONFIG),
+                     config=yaml.safe_load((run_dir / CONFIG).read_text()),
+                     **kind.export_record(cfg, run_dir, *((CAPTION, None) if own else
+                                                          (getattr(net, "caption_arguments", ()), NULL_CAPTION))),
+                     files={str(p.relative_to(building)): file_sha256(p) for p in sorted(building.rglob("*"))
+                            if p.suffix in (".safetensors", ".py")}).write(building / RUN_RECORD)
     return out

@@ -14,7 +14,6 @@ same latents.
 """
 
 import json
-import shutil
 from typing import ClassVar
 
 import torch
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from islands.data import streams
 from islands.data.batch import Batch
 from islands.nets.autoencoder import LatentDistribution
-from islands.rundir import atomic_write_text
+from islands.rundir import atomic_write_text, built_beside
 from islands.train.objectives import Objective
 
 EXPORT = "autoencoder"  # RUN/autoencoder: config.json and diffusion_pytorch_model.safetensors
@@ -93,15 +92,8 @@ def export_autoencoder(vae, x: torch.Tensor, run_dir, seed: int) -> tuple[dict, 
               "psnr_db": 10 * torch.log10(torch.tensor(4.0 / max(mse, 1e-12))).item(),  # images span 2 (-1 to 1)
               "kl_per_latent": LatentDistribution(q.mean, q.logvar).kl().mean().item() / q.mean[0].numel(),
               "scaling_factor": scale, "shift_factor": shift}
-    folder = run_dir / EXPORT
-    fresh, old = run_dir / f".{EXPORT}.tmp", run_dir / f".{EXPORT}.old"
-    for leftover in (fresh, old):
-        shutil.rmtree(leftover, ignore_errors=True)
-    vae.to("cpu").save_pretrained(fresh, safe_serialization=True)  # written from host memory whatever the device
-    atomic_write_text(fresh / "reconstruction.json", json.dumps(record, indent=1))
-    if folder.exists():
-        folder.rename(old)
-    fresh.rename(folder)
-    shutil.rmtree(old, ignore_errors=True)
+    with built_beside(run_dir / EXPORT, replace=True) as fresh:
+        vae.to("cpu").save_pretrained(fresh, safe_serialization=True)  # written from host memory whatever the device
+        atomic_write_text(fresh / "reconstruction.json", json.dumps(record, indent=1))
     return record, reconstruction
 
