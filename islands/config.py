@@ -299,12 +299,16 @@ class DiffusersModel(_Model):
 
     @model_validator(mode="after")
     def _check(self):
+        if self.pretrained is None and self.class_name is None:
+            raise ValueError(f"class_name: give the diffusers class ({', '.join(DIFFUSERS_CLASSES)}) and its "
+                             "model.config, or a diffusers folder as model.pretrained")
+        return self
+
+    def resolve(self) -> None:
+        """The pretrained folder's class and config, read from its config.json (its weights when the run starts)."""
         if self.pretrained is None:
-            if self.class_name is None:
-                raise ValueError(f"class_name: give the diffusers class ({', '.join(DIFFUSERS_CLASSES)}) and its "
-                                 "model.config, or a diffusers folder as model.pretrained")
-            return self
-        from islands.nets.vae_folder import read_config  # the folder's config only, its weights when the run starts
+            return
+        from islands.nets.vae_folder import read_config
 
         try:
             config = read_config(self.pretrained, "diffusers folder", DIFFUSERS_CLASSES)
@@ -318,7 +322,6 @@ class DiffusersModel(_Model):
         if self.config and self.config != folder_config:
             raise ValueError("config: a pretrained network's config is its folder's config.json; leave it out")
         self.class_name, self.config = config["_class_name"], folder_config
-        return self
 
 
 ModelConfig = Annotated[UNetModel | DiTModel | MLPModel | RouterModel | AutoencoderKLModel | DiffusersModel,
@@ -662,25 +665,34 @@ class Config(Section):
             self.flow.time_sampler = "uniform" if self.model.arch == "mlp" else "logit_normal"
         if self.sample.time_shift is None:  # samples move their times as the training times were moved
             self.sample.time_shift = self.flow.time_shift
-        kind = self._condition()
         if self.model.arch == "diffusers" and getattr(self.flow, "train_steps", 1000) != 1000:
             raise ValueError(f"flow.train_steps: a diffusers network takes DDPM's timesteps 0-999 (1000 tau); "
                              f"{self.flow.train_steps} steps would feed it other ones")
-        if self.ddm.partition.features is None:
-            self.ddm.partition.features = kind.partition_features
         return self
 
-    def _condition(self):
-        """model.condition resolved, and its kind: checked by it (islands/conditions/), which also fills in what its
-        network needs from the data's folders (a text encoder's widths)."""
+    def resolve(self) -> "Config":
+        """What the folders the config names say, filled in once it is valid (validation itself reads no file): a
+        pretrained network's class and config; the condition, where none is given (a class with num_classes, else a
+        caption where the data has captions and the network reads them), checked by its kind
+        (islands/conditions/), which fills in what its network needs from its folders (a text encoder's widths);
+        and the features an ensemble clusters by default. Raises ValueError naming the key."""
         from islands.conditions import KINDS  # the kinds' rules are theirs; they read this module's sections
 
         model = self.model
+        if model.arch == "diffusers":
+            try:
+                model.resolve()
+            except ValueError as err:
+                raise ValueError(f"model.{err}") from None
         if model.condition is None:
             model.condition = ("class" if model.num_classes else
                                "text" if reads_text(model) and captioned(self.data) else "none")
-        KINDS[model.condition].check(self)
-        return KINDS[model.condition]
+        kind = KINDS[model.condition]
+        kind.check(self)
+        kind.resolve(self)
+        if self.ddm.partition.features is None:
+            self.ddm.partition.features = kind.partition_features
+        return self
 
     @model_validator(mode="after")
     def _autoencoder(self):
@@ -783,10 +795,15 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def validate(raw: dict) -> Config:
+    """The config `raw` describes, validated (no file read), then resolved from the folders it names."""
     try:
-        return Config.model_validate(raw)
+        cfg = Config.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
+    try:
+        return cfg.resolve()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def revalidate(section: Section, name: str, **updates) -> Section:

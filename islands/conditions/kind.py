@@ -48,6 +48,9 @@ class ConditionKind:
             raise ValueError(f"model.condition: {self.name!r} for a {model.class_name}; of the diffusers classes, "
                              f"{', '.join(DIFFUSERS_TEXT)} read a caption (condition text), the others do not")
 
+    def resolve(self, cfg) -> None:
+        """Fill in what the network needs from the folders the config names (after validation)."""
+
     def network_spec(self, model, shape: tuple, num_classes: int) -> NetworkSpec:
         """What the network is built for."""
         return NetworkSpec(model, shape)

@@ -38,8 +38,12 @@ class TextKind(ConditionKind):
         if not reads_text(model):
             raise ValueError(f"model.condition: text is read by {', '.join(TEXT_ARCHS)} networks, not "
                              f"{model.arch!r}")
+
+    def resolve(self, cfg) -> None:
+        """The text encoder's widths, from its folder's configs (no weights)."""
+        model = cfg.model
         if model.text_width is None or model.text_pooled_width is None:
-            from islands.nets.text_folder import text_widths  # transformers' configs, no weights
+            from islands.nets.text_folder import text_widths
 
             model.text_width, model.text_pooled_width = text_widths(cfg.data.text_encoder)
 
