@@ -141,7 +141,7 @@ def read_verified(root: Path, entry: MemberRecord | ConditionRouterRecord) -> di
 def _verified(root: Path, entry: MemberRecord) -> tuple[bool, str]:
     """Whether the entry's weights are there, checked now so that a bad file stops the run before anything is
     sampled; if not, why (missing or unfinished: the mixture warns when it routes around it)."""
-    if not entry.trained:  # an imported ensemble says why it has none (islands/ddm/imported.py)
+    if not entry.trained:  # an imported ensemble says why it has none (islands/export/imported.py)
         return False, entry.why or f"has no finished checkpoint ({root / entry.run})"
     if not _weights_path(root, entry).is_file():
         return False, f"is missing from disk ({root / entry.weights})"
