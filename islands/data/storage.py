@@ -142,7 +142,8 @@ def _mtime_ns(info: dict) -> int:
 
 def sizes(urls: list[str]) -> dict[str, int]:
     """The size of each object in `urls` by one listing of each prefix (a request per thousand objects, not one per
-    object); an object the listing does not show is left out."""
+    object), and by a request of its own for one the listing does not show (a web server that lists no folder); an
+    object that is not there is left out."""
     found = {}
     for parent in dict.fromkeys(parent_of(u) for u in urls):
         fs, path = _fs(parent)
@@ -156,6 +157,12 @@ def sizes(urls: list[str]) -> dict[str, int]:
         for entry in entries:
             if entry.get("type") != "directory":
                 found[join(parent, name_of(entry["name"]))] = int(entry["size"])
+    for u in urls:
+        if u not in found:
+            try:
+                found[u] = stat(u)[0]
+            except StorageError:
+                pass
     return {u: found[u] for u in urls if u in found}
 
 
