@@ -3,12 +3,19 @@
 agreed step with a checkpoint there, exit 75, and the rerun (or the requeued job) ends bit-identical to a run never
 interrupted. Everything under timeouts, on 127.0.0.1."""
 
+import contextlib
 import os
+import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from test_parallel import final_weights, launch_ranks, mlp_config
@@ -83,4 +90,269 @@ def test_sigterm_on_one_rank_stops_both_at_one_step_with_a_checkpoint_and_the_re
     straight = {**cfg, "run_dir": str(tmp_path / "straight")}
     assert all(r.returncode == 0 for r in launch_ranks(2, straight, tmp_path))
     a, b = final_weights(cfg["run_dir"]), final_weights(straight["run_dir"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- a real Slurm on this host --------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+SBATCH = REPO / "examples" / "slurm.sbatch"
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo")
+
+
+@dataclass
+class Cluster:
+    """A one-host Slurm cluster in a folder of its own: its config, spool, logs and munge key; `env` reaches it."""
+
+    folder: Path
+    env: dict
+    daemons: list = field(default_factory=list)
+
+    def run(self, *argv: str, cwd=None) -> str:
+        """A Slurm command's output; a busy controller's timeouts are tried again, for up to a minute."""
+        for attempt in range(12):
+            done = subprocess.run(argv, env=self.env, cwd=cwd, capture_output=True, text=True, timeout=60)
+            if done.returncode == 0:
+                return done.stdout
+            if "timed out" not in done.stderr.lower() and "try again" not in done.stderr.lower() or attempt == 11:
+                raise AssertionError(f"{' '.join(argv)}: {done.stderr.strip()}\n{self.logs()}")
+            time.sleep(5)
+
+    def submit(self, *argv: str, cwd) -> int:
+        return int(self.run("sbatch", "--parsable", *argv, cwd=cwd).split(";")[0])
+
+    def job(self, job: int) -> dict:
+        """`scontrol show job`'s fields (JobState, Restarts, ExitCode, ...)."""
+        out = self.run("scontrol", "-o", "show", "job", str(job))
+        return dict(item.split("=", 1) for item in out.split() if "=" in item)
+
+    def wait(self, job: int, until, deadline: float, why: str) -> dict:
+        while True:
+            fields = self.job(job)
+            if until(fields):
+                return fields
+            assert time.monotonic() < deadline, f"{why}: job {job} is {fields.get('JobState')} ({fields})\n" + \
+                self.logs()
+            time.sleep(0.5)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+                         for p in sorted((self.folder / "log").glob("*")))
+
+
+def _slurm_conf(folder: Path, host: str) -> str:
+    """One node (this host, its CPUs), processes tracked by their parents (no cgroups in a container), no task
+    binding, no accounting; every port free now, every file in `folder`."""
+    return "\n".join([
+        "ClusterName=islands", f"SlurmctldHost={host}", f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
+        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={folder}/munge/socket",
+        "SlurmUser=root", "SlurmdUser=root", "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+        "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "SchedulerType=sched/builtin",
+        "MpiDefault=none", "ReturnToService=2", "JobRequeue=1", "KillWait=30", "MinJobAge=3600",
+        f"StateSaveLocation={folder}/ctld", f"SlurmdSpoolDir={folder}/d",
+        f"SlurmctldPidFile={folder}/run/slurmctld.pid", f"SlurmdPidFile={folder}/run/slurmd.pid",
+        f"SlurmctldLogFile={folder}/log/slurmctld.log", f"SlurmdLogFile={folder}/log/slurmd.log",
+        f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN",
+        f"PartitionName=local Nodes={host} Default=YES MaxTime=INFINITE State=UP", ""])
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """munged, slurmctld and slurmd started for this module's tests (root only: slurmd runs jobs as their users)."""
+    missing = [name for name in DAEMONS if shutil.which(name) is None]
+    if missing:
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing; `make test` installs slurm-wlm and munge "
+                    "where it runs as root)")
+    if os.geteuid() != 0:
+        pytest.skip("a local Slurm needs root: slurmd starts each job as its user")
+    folder = tmp_path_factory.mktemp("slurm")
+    for sub in ("ctld", "d", "log", "run", "munge"):
+        (folder / sub).mkdir()
+    key = folder / "munge" / "key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    (folder / "munge").chmod(0o700)
+    (folder / "slurm.conf").write_text(_slurm_conf(folder, socket.gethostname()))
+    env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
+    cluster = Cluster(folder, env)
+    logs = folder / "log"
+    starts = [["munged", "-F", "-f", f"--socket={folder}/munge/socket", f"--key-file={key}",
+               f"--log-file={logs}/munged.log", f"--pid-file={folder}/run/munged.pid",
+               f"--seed-file={folder}/munge/seed"],
+              ["slurmctld", "-D", "-i"], ["slurmd", "-D"]]
+    try:
+        for argv in starts:
+            cluster.daemons.append(subprocess.Popen(argv, env=env, stdout=open(logs / f"{argv[0]}.out", "w"),
+                                                    stderr=subprocess.STDOUT))
+            time.sleep(0.5 if argv[0] == "munged" else 0)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                state = cluster.run("sinfo", "-h", "-o", "%T").strip()
+            except subprocess.CalledProcessError:
+                state = ""
+            if state == "idle":
+                break
+            dead = [d.args[0] for d in cluster.daemons if d.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                pytest.skip(f"a local Slurm did not start ({', '.join(dead) or 'node ' + (state or 'unknown')}): "
+                            + " | ".join(cluster.logs().splitlines()[-12:]))
+            time.sleep(0.5)
+        yield cluster
+    finally:
+        with contextlib.suppress(Exception):
+            cluster.run("scancel", "--user=root")
+        for daemon in reversed(cluster.daemons):
+            daemon.terminate()
+            try:
+                daemon.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+
+
+def submit(slurm: Cluster, cfg: dict, folder: Path, *options: str) -> int:
+    """examples/slurm.sbatch with `cfg`, on this host's one node: 2 CPU ranks of DDP (RANKS_PER_NODE), no GPUs."""
+    config = folder / f"{Path(cfg['run_dir']).name}.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    path = f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"  # this venv's torchrun
+    env = f"ALL,RANKS_PER_NODE=2,RDZV_PORT={free_port()},OMP_NUM_THREADS=1,PYTHONPATH={REPO},PATH={path}"
+    return slurm.submit("--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={min(2, os.cpu_count())}",
+                        f"--export={env}", f"--output={folder}/job-%j.out", *options, str(SBATCH), str(config),
+                        "--quiet", cwd=folder)
+
+
+def done(fields: dict) -> bool:
+    """Whether the job ended (a requeue passes through CANCELLED: not an end)."""
+    return fields["JobState"] in ("COMPLETED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def slurm_config(tmp_path, name: str) -> dict:
+    """1000 steps of 32 images on 2 ranks, a checkpoint at the middle and the end."""
+    cfg = long_config(tmp_path, name, images=32000)
+    cfg["train"].update(checkpoint_every=16000, log_every=640, keep_checkpoints=10)
+    cfg["parallel"]["timeout_s"] = 60
+    return cfg
+
+
+def job_processes(job: int, ranks_only: bool = False) -> list[int]:
+    """The processes of a job (with `ranks_only`, torchrun's workers: they have a RANK), by their SLURM_JOB_ID."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            env = (proc / "environ").read_bytes().split(b"\0") if proc.name.isdigit() else []
+            if f"SLURM_JOB_ID={job}".encode() in env and (not ranks_only or any(e.startswith(b"RANK=") for e in env)):
+                pids.append(int(proc.name))
+    return pids
+
+
+def start_now(slurm: Cluster, job: int, deadline: float, *changes: str) -> None:
+    """The requeued job started without Slurm's 2-minute requeue delay, once its last run's processes are gone (its
+    torchrun held the rendezvous port)."""
+    while job_processes(job):
+        assert time.monotonic() < deadline, f"job {job}'s processes outlive its run: {job_processes(job)}"
+        time.sleep(0.2)
+    slurm.run("scontrol", "update", f"JobId={job}", *changes, "StartTime=now")
+
+
+def throttled(job: int, until, deadline: float) -> None:
+    """Run the job's ranks at a tenth of their speed (stopped 0.45 s of every 0.5: the same computation, later) until
+    `until()`, so that Slurm's timer, which it checks about every 30 s, comes while they train; a signal that comes
+    while a rank is stopped is delivered when it continues."""
+    while not until():
+        assert time.monotonic() < deadline, "the timer's signal never came"
+        pids = job_processes(job, ranks_only=True)
+        for sig, pause in ((signal.SIGSTOP, 0.45), (signal.SIGCONT, 0.05)):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            time.sleep(pause)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, tmp_path_factory):
+    """examples/slurm.sbatch run to its end under Slurm: (config, job log, seconds from sbatch to COMPLETED)."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    cfg = slurm_config(folder, "uninterrupted")
+    started = time.monotonic()
+    job = submit(slurm, cfg, folder)
+    fields = slurm.wait(job, done, started + 2 * TIMEOUT_S, "the job did not finish")
+    return cfg, fields, (folder / f"job-{job}.out").read_text(), time.monotonic() - started
+
+
+def test_the_example_sbatch_trains_to_completion_under_slurm(uninterrupted):
+    """examples/slurm.sbatch under a real Slurm: 2 ranks from RANKS_PER_NODE (not a hard-coded 8), the run trains to
+    its end and writes its checkpoints; one process prints the end-of-run summary."""
+    cfg, fields, log, took = uninterrupted
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", log[-3000:]
+    print(f"the Slurm job took {took:.1f} s from sbatch to COMPLETED")
+    assert [p.name for p in list_checkpoints(cfg["run_dir"])] == ["000000016000", "000000032000"]
+    assert log.count("run directory:") == 1, log[-3000:]
+    assert log.count("islands: warning") == 0 and "Traceback" not in log, log[-3000:]
+
+
+def trains_past(slurm: Cluster, job: int, cfg: dict, images: int, deadline: float) -> None:
+    metrics = Path(cfg["run_dir"]) / "metrics.jsonl"
+    while not metrics.exists() or max((r["images"] for r in read_metrics(cfg["run_dir"])), default=0) <= images:
+        assert time.monotonic() < deadline and not done(slurm.job(job)), "the job stopped before image {images}"
+        time.sleep(0.1)
+
+
+def requeued_for(fields: dict, times: int) -> bool:
+    """The job is back in the queue for the `times`th time (its BeginTime set, which the test may then move)."""
+    return fields["Restarts"] == str(times) and fields["JobState"] == "PENDING"
+
+
+def stops(log: str) -> list[int]:
+    """The image counts at which the job's ranks said they stopped, one per rank per preemption."""
+    return [int(m) for m in re.findall(r"stopped at image (\d+) ", log)]
+
+
+def test_slurm_preemption_by_the_time_signal_and_by_scancel_requeues_and_resumes_exactly(slurm, uninterrupted,
+                                                                                         tmp_path):
+    """A job with --signal=USR1@50 whose time limit is cut to one minute once it trains (the ranks' first seconds
+    are torchrun's start: see examples/slurm.sbatch), and which runs slowed down (`throttled`) until Slurm's signal
+    comes: it makes both ranks stop after one agreed step with a checkpoint there; the script requeues the job (whose
+    time limit the test then raises again, and whose 2-minute requeue delay it skips); in the second run `scancel
+    --signal=USR1` does the same; the third run finishes. No stop loses an image (its checkpoint is at the stop), and
+    the end is bit-identical to the job never interrupted."""
+    cfg = slurm_config(tmp_path, "preempted")
+    started = time.monotonic()
+    deadline = started + 3 * TIMEOUT_S
+    job = submit(slurm, cfg, tmp_path, "--time=10", "--signal=USR1@50")
+    log = tmp_path / f"job-{job}.out"
+    trains_past(slurm, job, cfg, 640, deadline)
+    # [[D-]HH:]MM:SS, under ten minutes: compared as text
+    throttled(job, lambda: slurm.job(job)["RunTime"] >= "00:00:12", deadline)
+    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=1")  # under 50 s left: the signal is due
+    throttled(job, lambda: "stopped at image" in log.read_text() or done(slurm.job(job)), deadline)
+    requeued = slurm.wait(job, lambda f: requeued_for(f, 1) or done(f), deadline, "no preemption by the timer")
+    assert requeued["Restarts"] == "1", log.read_text()[-3000:]
+    first = stops(log.read_text())
+    assert len(first) == 2 and first[0] == first[1] < 32000, log.read_text()[-3000:]
+    assert (Path(cfg["run_dir"]) / "checkpoints" / f"{first[0]:012d}" / "complete").exists()
+    start_now(slurm, job, deadline, "TimeLimit=10")
+
+    slurm.wait(job, lambda f: f["JobState"] == "RUNNING" and f["Restarts"] == "1", deadline, "not restarted")
+    trains_past(slurm, job, cfg, first[0] + 640, deadline)
+    signalled = time.monotonic()
+    slurm.run("scancel", "--signal=USR1", str(job))
+    slurm.wait(job, lambda f: requeued_for(f, 2) or done(f), deadline, "no preemption by scancel")
+    left = time.monotonic() - signalled
+    second = stops(log.read_text())[2:]
+    assert len(second) == 2 and first[0] < second[0] == second[1] < 32000, log.read_text()[-3000:]
+    assert (Path(cfg["run_dir"]) / "checkpoints" / f"{second[0]:012d}" / "complete").exists()
+    start_now(slurm, job, deadline)
+    fields = slurm.wait(job, done, deadline, "the requeued job did not finish")
+    text = log.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "2", f"{fields}\n{text[-3000:]}"
+    assert text.count("run directory:") == 1 and text.count("requeueing job") == 2, text[-3000:]
+    print(f"Slurm preemption: stopped at images {first[0]} (--signal=USR1@50) and {second[0]} (scancel "
+          f"--signal=USR1, after which the job left RUNNING in {left:.1f} s); whole test "
+          f"{time.monotonic() - started:.0f} s; " + "; ".join(re.findall(r"[0-9.]+ s after it", text)))
+
+    # the ranks stopped at the checkpoint's image count: what they had trained is all in it
+    checkpoints = {int(p.name) for p in list_checkpoints(cfg["run_dir"])}
+    assert {first[0], second[0], 32000} <= checkpoints
+    a, b = final_weights(cfg["run_dir"]), final_weights(uninterrupted[0]["run_dir"])
     assert all(torch.equal(a[k], b[k]) for k in a)
