@@ -12,6 +12,7 @@ torchrun's agent reports its own status, not its workers' (examples/slurm.sbatch
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -39,7 +40,9 @@ class Preemption:
         self.world = world
         self.signal: int | None = None
         self.received_at: float | None = None
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        # signals reach Python's main thread only: a run trained from another thread keeps their default actions
+        main = threading.current_thread() is threading.main_thread()
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS} if main else {}
         early = next((h.received for h in self.previous.values() if getattr(h, "received", None)), None)
         if early is not None:
             self.signal, self.received_at = early
