@@ -17,7 +17,7 @@ shuffled, so any block of it is a random sample and no block size could cost any
 images sorted by class, the worst case (a set written as it was crawled, source by source): a block is one class and
 a window of 8 blocks, a batch's reach, at most 8 classes.
 
-    python -m benchmarks object_storage [--quality-only | --speed-only]
+    python -m benchmarks object_storage [--quality-only [--images N] | --speed-only]
 """
 
 import itertools
@@ -178,7 +178,7 @@ QUALITY_ORDERS = (("global", None), ("blocks", 4096), ("blocks", 512))
 FD_SAMPLES = 500
 
 
-def quality(work: Path) -> dict:
+def quality(work: Path, images: int = QUALITY_IMAGES) -> dict:
     from benchmarks.common import cached
     from islands.config import validate
     from islands.eval.evaluate import evaluate_target
@@ -195,7 +195,7 @@ def quality(work: Path) -> dict:
     for seed, (kind, block) in sorted(itertools.product(QUALITY_SEEDS, QUALITY_ORDERS),
                                       key=lambda so: (so[1][1] == 512, so[0])):  # global and 4096 side by side first
         if True:
-            name = f"{kind}{'' if block is None else f'-{block}'}-seed{seed}"
+            name = f"{kind}{'' if block is None else f'-{block}'}-seed{seed}-{images}"
             run_dir = work / name
             order = {"order": kind, **({"block": block, "window": WINDOW} if block else {})}
             cfg = validate({**base, "run_dir": str(run_dir), "seed": seed,
@@ -203,8 +203,8 @@ def quality(work: Path) -> dict:
                             "model": {**base["model"], "channels": 32, "channel_mult": [1, 2], "num_res_blocks": 1,
                                       "attention_resolutions": []},
                             "sample": {"num": 16, "steps": 16, "guidance": 1.0},
-                            "train": {**base.get("train", {}), "images": QUALITY_IMAGES, "batch_size": 64,
-                                      "accumulate": 1, "checkpoint_every": QUALITY_IMAGES, "sample_every": 0,
+                            "train": {**base.get("train", {}), "images": images, "batch_size": 64,
+                                      "accumulate": 1, "checkpoint_every": images, "sample_every": 0,
                                       "log_every": 3200, "warmup_images": 640, "ema_halflife_images": 2000},
                             "eval": {"every": 0}})
 
@@ -220,10 +220,10 @@ def quality(work: Path) -> dict:
     rows = []
     for kind, block in QUALITY_ORDERS:
         label = f"{kind}{'' if block is None else f' {block}'}"
-        fds = [results[f"{kind}{'' if block is None else f'-{block}'}-seed{s}"]["fd"] for s in QUALITY_SEEDS]
+        fds = [results[f"{kind}{'' if block is None else f'-{block}'}-seed{s}-{images}"]["fd"] for s in QUALITY_SEEDS]
         rows.append([label, *fds, sum(fds) / len(fds)])
     print(table(["order", *(f"FD seed {s}" for s in QUALITY_SEEDS), "mean"], rows))
-    return {"quality": results, "quality_table": rows, "quality_images": QUALITY_IMAGES}
+    return {"quality": results, "quality_table": rows, "quality_images": images}
 
 
 def run() -> dict:
@@ -241,7 +241,8 @@ def run() -> dict:
     if "--quality-only" not in only:
         result.update(speed(work))
     if "--speed-only" not in only:
-        result.update(quality(work))
+        images = int(only[only.index("--images") + 1]) if "--images" in only else QUALITY_IMAGES
+        result.update(quality(work, images))
     result.setdefault("met", result.get("met", True))
     save("object_storage", result)
     return result
