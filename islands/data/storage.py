@@ -317,7 +317,8 @@ def _file_sha256(path: Path) -> str:
 
 # --- writing a folder: on this disk, or at a URL --------------------------------------------------------------------
 
-OURS = re.compile(r"^(shard-\d{6}\.(tar|idx\.npy|sha256\.npy)|\.rank-\d+\.json|\.raw-\d{6}\.(idx|sha256|cls)\.npy)$")
+OURS = re.compile(r"^(shard-\d{6}\.(tar|idx\.npy|sha256\.npy)|\.rank-\d+\.json"
+                  r"|\.raw-\d{6}\.((idx|sha256|cls)\.npy|lacking\.json))$")
 
 
 def refuse_written_over(out) -> None:

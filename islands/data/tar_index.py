@@ -152,7 +152,8 @@ def index_tars(spec: str, out: Path, caption_key: str | None = None, class_key: 
             records = []
             for i in mine:
                 records.append(_index_tar(tars[i], i, partial, caption_key, class_key))
-                stage.publish(*(f".raw-{i:06d}.{part}.npy" for part in ("idx", "sha256", "cls")))
+                stage.publish(*(f".raw-{i:06d}.{part}.npy" for part in ("idx", "sha256", "cls")),
+                              f".raw-{i:06d}.lacking.json")
                 bar.update(1)
         (partial / f".rank-{rank}.json").write_text(json.dumps(records))
         stage.publish(f".rank-{rank}.json")
@@ -232,10 +233,14 @@ def _index_tar(tar, i: int, folder: Path, caption_key: str | None, class_key: st
     np.save(folder / f".raw-{i:06d}.idx.npy", index, allow_pickle=False)
     np.save(folder / f".raw-{i:06d}.sha256.npy", digests, allow_pickle=False)
     np.save(folder / f".raw-{i:06d}.cls.npy", np.asarray(classes, dtype=np.int64), allow_pickle=False)
+    # which examples lack a caption or a class, and why: one entry per example of a set that has none at all, so it
+    # waits in a file of its own, read only where the column is kept (a rank's records stay a few numbers per tar)
+    (folder / f".raw-{i:06d}.lacking.json").write_text(json.dumps(lacking))
     w = [s[0] for s in sides] or [0]
     h = [s[1] for s in sides] or [0]
     return {"i": i, "tar": str(tar), "bytes": size, "mtime_ns": mtime_ns, "examples": len(rows),
-            "left_out": left_out, "lacking": lacking, "widths": [min(w), max(w)], "heights": [min(h), max(h)]}
+            "left_out": left_out, "lacking": {what: len(rows) for what, rows in lacking.items()},
+            "widths": [min(w), max(w)], "heights": [min(h), max(h)]}
 
 
 def _parse(kind: str, data: bytes):
@@ -306,8 +311,8 @@ def _finish(stage: storage.Staging, ranks: int, spec: str, caption_key: str | No
     records = sorted((r for rank in range(ranks) for r in json.loads(stage.fetch(f".rank-{rank}.json").read_text())),
                      key=lambda r: r["i"])
     stage.discard(*(f".rank-{rank}.json" for rank in range(ranks)))
-    captioned = caption_key is not None or any(r["examples"] > len(r["lacking"]["caption"]) for r in records)
-    classed = class_key is not None or any(r["examples"] > len(r["lacking"]["class"]) for r in records)
+    captioned = caption_key is not None or any(r["examples"] > r["lacking"]["caption"] for r in records)
+    classed = class_key is not None or any(r["examples"] > r["lacking"]["class"] for r in records)
     members = ["image", *(["txt"] if captioned else []), *(["cls"] if classed else [])]
     columns = [0, *([1] if captioned else []), *([2] if classed else [])]
     shards, left_out, num_classes = [], [], 0
@@ -316,8 +321,12 @@ def _finish(stage: storage.Staging, ranks: int, spec: str, caption_key: str | No
         index, digests, classes = (np.load(stage.fetch(p), allow_pickle=False) for p in raw)
         keep = np.ones(len(index), dtype=bool)
         left_out += r["left_out"]
+        lacks = f".raw-{i:06d}.lacking.json"
+        lacking = json.loads(stage.fetch(lacks).read_text()) \
+            if captioned and r["lacking"]["caption"] or classed and r["lacking"]["class"] else {}
+        stage.discard(lacks)
         for what, wanted in (("caption", captioned), ("class", classed)):
-            for row, key, why in r["lacking"][what] if wanted else []:
+            for row, key, why in lacking.get(what, []) if wanted else []:
                 if keep[row]:
                     left_out.append({"tar": r["tar"], "key": key, "why": why})
                 keep[row] = False
