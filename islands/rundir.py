@@ -18,13 +18,13 @@ are safetensors, arrays come from .npz archives read with allow_pickle=False.
 
 import contextlib
 import io
-import json
 import os
 import pickle
 import zipfile
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -110,11 +110,11 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.isdigit() and (p / MARKER).exists())
 
 
-def recorded_weights(run_dir: Path, record: str) -> str | None:
-    """The sha256 of the weights a run recorded in RUN/<record> when it started (its autoencoder's, its text
+def recorded_weights(run_dir: Path, record: type["WeightsRecord"]) -> str | None:
+    """The sha256 of the weights a run recorded in RUN/<record.FILE> when it started (its autoencoder's, its text
     encoder's), which every later open checks; None where the run has no such record."""
-    path = Path(run_dir) / record
-    return json.loads(path.read_text())["sha256"] if path.exists() else None
+    path = Path(run_dir) / record.FILE
+    return record.read(path).sha256 if path.exists() else None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -177,6 +177,14 @@ class RunDescription(Record):
 
     shape: tuple[int, ...]
     num_classes: int = Field(ge=0)
+
+
+class WeightsRecord(Record):
+    """The digest of the files a run read weights from when it started (RUN/autoencoder.json, RUN/text_encoder.json:
+    a subclass names its file and where the weights came from)."""
+
+    FILE: ClassVar[str] = ""
+    sha256: str = Field(pattern="^[0-9a-f]{64}$")
 
 
 class FileRecord(BaseModel):

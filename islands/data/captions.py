@@ -11,7 +11,9 @@ is encoded by that same encoder or refused.
 
 import hashlib
 import json
+import os
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -26,9 +28,14 @@ from islands.errors import DataError
 from islands.nets.condition import pack_text
 from islands.nets.text_encoder import TextEncoder
 from islands.nets.text_folder import MINILM_SHA256, open_text_encoder
-from islands.rundir import atomic_write_text, latest_checkpoint, recorded_weights
+from islands.rundir import WeightsRecord, latest_checkpoint, recorded_weights
 
-RECORD = "text_encoder.json"
+
+class TextEncoderRecord(WeightsRecord):
+    """RUN/text_encoder.json: the text encoder a text-conditioned run names, and its files' digest."""
+
+    FILE: ClassVar[str] = "text_encoder.json"
+    text_encoder: str
 BATCH = 256  # captions encoded at once
 
 
@@ -51,7 +58,7 @@ def caption_table(source: Source, encoder: TextEncoder, tokens: int, progress: b
         return load_file(path)["table"]
     table = encode_captions(encoder, captions, tokens, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{id(table)}")
+    partial = path.with_name(f".{path.name}.{os.getpid()}")  # ranks of one machine may write it at once
     save_file({"table": table.contiguous()}, partial)
     partial.replace(path)
     return table
@@ -59,7 +66,7 @@ def caption_table(source: Source, encoder: TextEncoder, tokens: int, progress: b
 
 def recorded_text_encoder(run_dir: Path) -> str | None:
     """The digest of the text encoder's files a run trained with (RUN/text_encoder.json), None without one."""
-    return recorded_weights(run_dir, RECORD)
+    return recorded_weights(run_dir, TextEncoderRecord)
 
 
 def open_run_text_encoder(cfg, sha256: str | None, device="cpu") -> TextEncoder:
@@ -108,8 +115,8 @@ def _check_stored(cfg, run_dir: Path, stored: dict) -> str:
 def record_text_encoder(cfg, run_dir: Path, source: Source) -> None:
     """RUN/text_encoder.json for a text-conditioned run: the encoder it names and its files' digest."""
     if isinstance(source, WithCaptionEmbeddings):
-        record = {"text_encoder": cfg.data.text_encoder, "sha256": source.made_by}
-        atomic_write_text(Path(run_dir) / RECORD, json.dumps(record, indent=1))
+        TextEncoderRecord(text_encoder=cfg.data.text_encoder, sha256=source.made_by).write(
+            Path(run_dir) / TextEncoderRecord.FILE)
 
 
 class CaptionWriter(ExampleWriter):

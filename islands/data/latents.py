@@ -15,9 +15,9 @@ image's where the position-keyed flip says so), so such a run trains as the on-t
 """
 
 import copy
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -30,9 +30,14 @@ from islands.data.space import PIXELS, DataSpace
 from islands.errors import DataError
 from islands.nets.autoencoder import Autoencoder, LatentDistribution
 from islands.nets.vae_folder import load_autoencoder
-from islands.rundir import atomic_write_text, latest_checkpoint, recorded_weights
+from islands.rundir import WeightsRecord, latest_checkpoint, recorded_weights
 
-RECORD = "autoencoder.json"
+
+class AutoencoderRecord(WeightsRecord):
+    """RUN/autoencoder.json: the autoencoder folder a latent run trains through, and its files' digest."""
+
+    FILE: ClassVar[str] = "autoencoder.json"
+    folder: str
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,7 @@ def stored_latents(cfg) -> dict | None:
 
 def recorded_sha256(run_dir: Path) -> str | None:
     """The digest of the autoencoder's files a run trained on (RUN/autoencoder.json), None for a run on pixels."""
-    return recorded_weights(run_dir, RECORD)
+    return recorded_weights(run_dir, AutoencoderRecord)
 
 
 def open_data_space(cfg, run_dir: Path, device="cpu", starting: bool = False, sha256: str | None = None) -> DataSpace:
@@ -180,5 +185,5 @@ def open_data_space(cfg, run_dir: Path, device="cpu", starting: bool = False, sh
 def record_data_space(cfg, run_dir: Path, space: DataSpace) -> None:
     """RUN/autoencoder.json for a latent stage: the folder and the digest of the files the run trains on."""
     if isinstance(space, LatentStage):
-        atomic_write_text(Path(run_dir) / RECORD,
-                          json.dumps({"folder": cfg.data.autoencoder, "sha256": space.autoencoder.sha256}, indent=1))
+        AutoencoderRecord(folder=cfg.data.autoencoder, sha256=space.autoencoder.sha256).write(
+            Path(run_dir) / AutoencoderRecord.FILE)

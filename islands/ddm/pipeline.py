@@ -50,7 +50,7 @@ from islands.flow.samplers import evaluations_per_sample
 from islands.generate import open_run
 from islands.images import save_samples_picture, save_side_by_side
 from islands.rundir import describe_run, latest_checkpoint, prepare_run_dir, read_state, trained_below
-from islands.train.flops import flops_per_image
+from islands.train.flops import FlopsRecord, flops_per_image
 from islands.train.objectives import build_objective
 
 
@@ -182,7 +182,7 @@ def monolith_images(cfg: Config) -> int:
     shape, num_classes = info.shape, info.num_classes
     micro = mono.train.batch_size // mono.train.accumulate
     # a latent monolith encodes its images as the experts did
-    encoder = json.loads((expert_runs(cfg, 0)[0] / "flops.json").read_text()).get("encoder_flops_per_image", 0.0)
+    encoder = FlopsRecord.read(expert_runs(cfg, 0)[0] / FlopsRecord.FILE).encoder_flops_per_image
     per_image = encoder + flops_per_image(mono.model, shape, num_classes, build_objective(mono), micro,
                                           checkpointing=mono.train.activation_checkpointing)
     return max(cfg.train.images, math.ceil(ensemble_training_flops(cfg) / per_image))
@@ -272,8 +272,8 @@ def evaluate_ensemble(root: Path, routing: str = DEFAULT_ROUTING, options: dict 
 
 
 def training_flops(run: Path) -> float:
-    path = Path(run) / "flops.json"
-    return json.loads(path.read_text())["training_flops"] if path.exists() else float("nan")
+    record = FlopsRecord.of(run)
+    return float("nan") if record is None else record.training_flops
 
 
 def compare_with_monolith(cfg: Config, ensemble: dict, progress: bool = True) -> dict:

@@ -30,6 +30,7 @@ from islands.parallel.build import strategy_class
 from islands.parallel.launch import run_local_ranks
 from islands.plan.network import Link, Measured, Network
 from islands.plan.predict import DENSE
+from islands.train.flops import FlopsRecord
 from islands.train.logbook import read_metrics
 
 CALIBRATION_STEPS, WINDOW = 120, 10  # optimizer steps of each one-process run; steps per logged window
@@ -115,7 +116,7 @@ def measured_rate(cfg, ranks: int, timeout_s: float = 900.0) -> float:
             if proc.returncode != 0:
                 raise RuntimeError(f"the calibration run failed: {err.strip().splitlines()[-1:]}")
         windows = [r["images_per_s"] for run in runs for r in read_metrics(run)[SKIP_FIRST:-SKIP_LAST]]
-        per_image = json.loads((runs[0] / "flops.json").read_text())["flops_per_image"]
+        per_image = FlopsRecord.read(runs[0] / FlopsRecord.FILE).flops_per_image
     return per_image * statistics.median(windows)
 
 

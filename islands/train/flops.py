@@ -8,8 +8,8 @@ since it is compute the run pays for.
 """
 
 import copy
-import json
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -19,6 +19,7 @@ from islands.data.batch import Batch
 from islands.nets import build_network
 from islands.nets.condition import PackedCaption
 from islands.parallel.activation_checkpointing import checkpoint_blocks
+from islands.rundir import Record
 
 
 def flops_per_image(model, shape: tuple, num_classes: int, objective, micro_batch: int, device="cpu",
@@ -49,13 +50,28 @@ def _replay(model, shape, num_classes, objective, micro_batch, checkpointing, de
     return counter.get_total_flops() / micro_batch
 
 
-def write_flops(run_dir: Path, per_image: float, images: int, encoder: float = 0.0) -> dict:
+class FlopsRecord(Record):
     """RUN/flops.json: the network's training FLOPs per image and, in a latent run that encodes its images as it goes,
-    the encoder's forward per image (`DataSpace.flops_per_image`), which the run pays for too."""
+    the encoder's forward per image (`DataSpace.flops_per_image`), which the run pays for too (counted in both)."""
+
+    FILE: ClassVar[str] = "flops.json"
+    flops_per_image: float
+    images: int
+    training_flops: float
+    counted_by: str = "torch.utils.flop_counter.FlopCounterMode on one step (forward and backward)"
+    encoder_flops_per_image: float = 0.0
+
+    @classmethod
+    def of(cls, run_dir: Path) -> "FlopsRecord | None":
+        """The run's record; None where it has none yet."""
+        path = Path(run_dir) / cls.FILE
+        return cls.read(path) if path.exists() else None
+
+
+def write_flops(run_dir: Path, per_image: float, images: int, encoder: float = 0.0) -> FlopsRecord:
+    """RUN/flops.json (FlopsRecord)."""
     per_image += encoder
-    record = {"flops_per_image": per_image, "images": images, "training_flops": per_image * images,
-              "counted_by": "torch.utils.flop_counter.FlopCounterMode on one step (forward and backward)"}
-    if encoder:
-        record["encoder_flops_per_image"] = encoder
-    (Path(run_dir) / "flops.json").write_text(json.dumps(record, indent=1))
+    record = FlopsRecord(flops_per_image=per_image, images=images, training_flops=per_image * images,
+                         encoder_flops_per_image=encoder)
+    record.write(Path(run_dir) / FlopsRecord.FILE)
     return record
