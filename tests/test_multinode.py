@@ -3,6 +3,7 @@
 shared, as a cluster's is. Every agent under a timeout."""
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -180,3 +181,32 @@ def test_islands_encode_on_two_nodes_writes_the_bytes_one_process_writes(tmp_pat
     assert run_ranks(["encode", config, str(tmp_path / "one"), *args], nproc=1, timeout=TIMEOUT_S)[0].returncode == 0
     written_by_two_nodes(["encode", config, str(tmp_path / "two"), *args], tmp_path)
     same_files(tmp_path / "one", tmp_path / "two")
+
+
+NODE_FIRST = """
+import json, os, sys, time
+rank = int(os.environ["RANK"])
+os.environ["LOCAL_RANK"] = str(rank % 2)  # 4 ranks as 2 nodes of 2, as torchrun numbers them
+from islands.parallel.launch import close_world, init_world
+world = init_world()
+with world.node_first():
+    start = time.time()
+    time.sleep(0.5)  # long enough for a rank that should wait to be seen overlapping
+    end = time.time()
+with open(os.path.join(sys.argv[1], f"{rank}.json"), "w") as f:
+    json.dump({"local_rank": world.local_rank, "start": start, "end": end}, f)
+close_world()
+"""
+
+
+def test_per_machine_work_is_done_first_by_each_nodes_first_rank_not_by_the_jobs(tmp_path):
+    """Each node's first rank (LOCAL_RANK 0) fills the machine's caches before the node's other ranks start: on a
+    second node that is global rank 2, so code that asked for global rank 0 (`is_main`) would let it overlap."""
+    from islands.parallel.launch import run_local_ranks
+
+    done = run_local_ranks([sys.executable, "-c", NODE_FIRST, str(tmp_path)], 4, TIMEOUT_S)
+    assert all(p.returncode == 0 for p in done), [p.stderr[-500:] for p in done]
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    first = [r for r in ranks if r["local_rank"] == 0]
+    others = [r for r in ranks if r["local_rank"] != 0]
+    assert len(first) == 2 and max(r["end"] for r in first) <= min(r["start"] for r in others)

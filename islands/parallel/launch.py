@@ -4,6 +4,7 @@ Run under torchrun, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MAS
 them the run is a single process and nothing is initialised.
 """
 
+import contextlib
 import gc
 import os
 import socket
@@ -57,6 +58,19 @@ class World:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier(group=self.group)
+
+    @contextlib.contextmanager
+    def node_first(self):
+        """Work each machine does once (its caches: the emoji, the caption table, the data's checks): the first rank
+        of every node does it while the node's other ranks wait, then they do it again from the caches it filled.
+        Every rank must enter; an error on a first rank lets the others go on to meet it themselves."""
+        if self.local_rank != 0:
+            self.barrier()
+        try:
+            yield
+        finally:
+            if self.local_rank == 0:
+                self.barrier()
 
     def split(self, groups: int) -> tuple[int, "World"]:
         """Cut the job's ranks into `groups` contiguous groups of equal size, which share nothing afterwards:

@@ -211,14 +211,15 @@ def build_parts(cfg: Config, world: World, teacher=None) -> Parts:
     world.barrier()
     torch.manual_seed(cfg.seed)
 
-    source = build_data(cfg.data, cfg.seed, check=True)  # a corrupt file stops the run here, by name
-    if cfg.data.shards is not None:  # replica r trains on cluster r of the partition only
-        clusters = read_clusters(cfg.data.shards, source, data_name(cfg.data))
-        if int(clusters.max()) + 1 != len(schedule.batches):
-            raise ConfigError(f"data.shards: {cfg.data.shards} has {int(clusters.max()) + 1} clusters for "
-                              f"{len(schedule.batches)} replicas")
-        source = ClusterSubset(source, clusters, replica)
-    source = condition_kind(cfg.model).source(cfg, run_dir, source, world.device)  # holding the condition's field
+    with world.node_first():  # each machine's caches filled once, by its first rank
+        source = build_data(cfg.data, cfg.seed, check=True)  # a corrupt file stops the run here, by name
+        if cfg.data.shards is not None:  # replica r trains on cluster r of the partition only
+            clusters = read_clusters(cfg.data.shards, source, data_name(cfg.data))
+            if int(clusters.max()) + 1 != len(schedule.batches):
+                raise ConfigError(f"data.shards: {cfg.data.shards} has {int(clusters.max()) + 1} clusters for "
+                                  f"{len(schedule.batches)} replicas")
+            source = ClusterSubset(source, clusters, replica)
+        source = condition_kind(cfg.model).source(cfg, run_dir, source, world.device)  # holding its condition
     shape, num_classes = tuple(source.shape), cfg.model.num_classes
     with config_errors("data.autoencoder"):  # a latent run's network learns the latents of the images
         shape = space.example_shape(shape)
