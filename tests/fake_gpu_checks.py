@@ -239,7 +239,7 @@ def test_the_distillation_objective_with_a_mixture_teacher(teacher):
 @pytest.mark.parametrize("solver", ["euler", "heun", "dpm2m", "unipc"])
 def test_every_solver_samples_on_the_device(solver):
     opts = SampleConfig(steps=3, solver=solver, grid="logsnr", guidance=2.0, batch_size=4)
-    x = generate(NetworkDenoiser(mlp()), (2,), 6, opts, seed=1, labels=torch.arange(6) % 2, device=DEVICE)
+    x = generate(NetworkDenoiser(mlp()), (2,), 6, opts, seed=1, condition=torch.arange(6) % 2, device=DEVICE)
     assert x.device.type == "cpu" and x.shape == (6, 2) and bool(torch.isfinite(x).all())
 
 
@@ -249,7 +249,7 @@ def test_a_routed_mixture_samples_on_the_device(routing):
     mixture = Mixture(experts(), LearnedRouter(router_net()), routing=routing, seed=2, call_batch=4)
     manifest = {"prior": [0.5, 0.5], "prior_by_class": [[0.9, 0.1], [0.2, 0.8]]}
     opts = SampleConfig(steps=2, solver="heun", guidance=2.0, batch_size=mixture.samples_at_once(4))
-    generate(mixture, (2,), 6, opts, seed=1, labels=torch.arange(6) % 2, device=DEVICE,
+    generate(mixture, (2,), 6, opts, seed=1, condition=torch.arange(6) % 2, device=DEVICE,
              for_batch=ancestral_assignment(mixture, manifest, seed=1))
     assert mixture.evaluations > 0
 

@@ -302,11 +302,14 @@ class LocalSGDStrategy(Strategy):
         par = cfg.parallel
         keys = ("sync_every", "fragments", "replicas", "worker_batch", "worker_sync_every", "lighthouse", "replica_id",
                 "host", "min_replicas", "timeout_s", "quorum_timeout_s")
-        options = {**super().options(cfg), **{k: getattr(par, k) for k in keys}, "batch_size": cfg.train.batch_size}
-        if par.lighthouse is not None:  # replicas that heal one another check that they train one config
+        # replicas that heal one another (parallel.lighthouse) check that they train one config (torchft's module)
+        sha256 = None
+        if par.lighthouse is not None:
             from islands.parallel.fault_tolerance import replica_config_sha256
-            options["config_sha256"] = replica_config_sha256(cfg)
-        return options
+
+            sha256 = replica_config_sha256(cfg)
+        return {**super().options(cfg), **{k: getattr(par, k) for k in keys}, "batch_size": cfg.train.batch_size,
+                "config_sha256": sha256}
 
     @classmethod
     def check(cls, cfg: Config) -> None:
@@ -320,7 +323,7 @@ class LocalSGDStrategy(Strategy):
                  worker_batch: list[int] | None = None, worker_sync_every: list[int] | None = None,
                  lighthouse: str | None = None, replica_id: int | None = None, host: str | None = None,
                  min_replicas: int = 1, timeout_s: float = 600.0, quorum_timeout_s: float = 3600.0,
-                 config_sha256: str = ""):
+                 config_sha256: str | None = None):
         super().__init__(world, compression, precision, compile, activation_checkpointing)
         if fragments > sync_every:
             raise ValueError(f"parallel.fragments: {fragments} fragments cannot take turns within "
