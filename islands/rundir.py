@@ -160,9 +160,16 @@ class Record(BaseModel):
     def read(cls, path: Path, why: str = ""):
         """The record in `path`, or one line naming the file and the key that is wrong (`why` adds what it means)."""
         try:
-            return cls.model_validate_json(Path(path).read_bytes())
+            data = Path(path).read_bytes()
         except OSError as err:
             raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
+        return cls.parse(data, path, why)
+
+    @classmethod
+    def parse(cls, data: bytes, path, why: str = ""):
+        """The record in `data`, the bytes of `path` (read already, as a verified folder reads them)."""
+        try:
+            return cls.model_validate_json(data)
         except ValidationError as err:
             first = err.errors()[0]
             key = ".".join(str(part) for part in first["loc"]) or "its content"

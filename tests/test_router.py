@@ -99,8 +99,9 @@ def test_a_router_at_pure_noise_returns_the_prior_of_the_class(router):
 
 
 def test_the_prior_table_comes_from_the_partition(tmp_path):
-    (tmp_path / "partition.json").write_text(json.dumps({"sizes": [30, 10], "sizes_by_class": [[20, 0], [10, 10],
-                                                                                                 [0, 0]]}))
+    (tmp_path / "partition.json").write_text(json.dumps({
+        "k": 2, "method": "kmeans", "features_name": "pixels", "seed": 0, "balanced": False, "n": 40,
+        "sizes": [30, 10], "sizes_by_class": [[20, 0], [10, 10], [0, 0]]}))
     table = read_prior_table(tmp_path, 3)
     expected = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.75, 0.25], [0.75, 0.25]], dtype=torch.float64)
     assert torch.equal(table, expected)  # a class no cluster holds falls back to the sizes

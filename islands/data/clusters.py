@@ -1,17 +1,42 @@
 """A data set seen through a partition: one cluster of it (an expert's data), or all of it with each example's
 cluster beside its class (the router's data). The partition folder is written by `islands partition`."""
 
-import json
 import warnings
 from pathlib import Path
+from typing import Annotated, ClassVar
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from islands.data.fingerprint import data_fingerprint
 from islands.data.sources import CLUSTER, Source, View
-from islands.errors import DataError, IslandsWarning
-from islands.rundir import read_npz
+from islands.errors import CheckpointError, DataError, IslandsWarning
+from islands.rundir import Record, read_npz
+
+
+class PartitionRecord(Record):
+    """PARTITION/partition.json: everything of a partition but its arrays (assignments.npz), written by
+    islands/ddm/partition.py and read here by the data of its clusters."""
+
+    FILE: ClassVar[str] = "partition.json"
+    k: int = Field(ge=1)
+    method: str
+    features_name: str
+    data_sha256: str | None = None  # the fingerprint of the data it was made of (None: a partition made before)
+    seed: int
+    balanced: bool
+    sizes: list[Annotated[int, Field(ge=0)]]
+    n: int = Field(ge=0)
+    sizes_by_class: list[list[Annotated[int, Field(ge=0)]]] | None = None  # [class][cluster] counts
+
+    @classmethod
+    def of(cls, partition_dir) -> "PartitionRecord":
+        """The record in `partition_dir`, or one line naming the file and the key (a DataError)."""
+        try:
+            return cls.read(Path(partition_dir) / cls.FILE, "; run 'islands partition' first")
+        except CheckpointError as err:
+            raise DataError(f"partition: {err}") from None
 
 
 def read_clusters(partition_dir: str | Path, source: Source, data: str) -> np.ndarray:
@@ -25,7 +50,7 @@ def read_clusters(partition_dir: str | Path, source: Source, data: str) -> np.nd
     cluster = np.asarray(arrays["cluster"], dtype=np.int64)
     if cluster.shape != (len(source),):
         raise DataError(f"partition {path} assigns {cluster.shape[0]} examples, the data has {len(source)}")
-    made_of = _data_sha256(Path(partition_dir) / "partition.json")
+    made_of = PartitionRecord.of(partition_dir).data_sha256
     if made_of is None:
         warnings.warn(f"partition {partition_dir} records no fingerprint of its data: {data} is checked by its "
                       "length only; partition again to have it checked", IslandsWarning, stacklevel=2)
@@ -35,26 +60,16 @@ def read_clusters(partition_dir: str | Path, source: Source, data: str) -> np.nd
     return cluster
 
 
-def _data_sha256(meta: Path) -> str | None:
-    """The fingerprint of the data a partition was made of, if its partition.json records one."""
-    try:
-        found = json.loads(meta.read_text()).get("data_sha256")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return found if isinstance(found, str) else None
-
-
 def read_prior_table(partition_dir: str | Path, num_classes: int) -> torch.Tensor:
     """p(cluster | class) from partition.json, (num_classes + 1, K) float64; the last row is p(cluster), the
     cluster sizes, for samples without a class (and for a class the partition never saw)."""
-    path = Path(partition_dir) / "partition.json"
+    path, meta = Path(partition_dir) / PartitionRecord.FILE, PartitionRecord.of(partition_dir)
+    sizes = torch.tensor(meta.sizes, dtype=torch.float64)
+    by_class = meta.sizes_by_class if num_classes else None
     try:
-        meta = json.loads(path.read_text())
-        sizes = torch.tensor(meta["sizes"], dtype=torch.float64)
-        by_class = meta.get("sizes_by_class") if num_classes else None
         rows = torch.tensor(by_class, dtype=torch.float64) if by_class else sizes.expand(num_classes, -1)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise DataError(f"cannot read partition {path}: {err}; run 'islands partition' first") from None
+    except ValueError as err:  # rows of unequal length
+        raise DataError(f"cannot read partition {path}: sizes_by_class: {err}") from None
     if rows.shape != (num_classes, len(sizes)):
         raise DataError(f"partition {path} counts {rows.shape[0]} classes, the model has {num_classes}")
     table = torch.cat([rows, sizes.unsqueeze(0)])

@@ -19,6 +19,7 @@ from safetensors.torch import load as safetensors_load
 
 from islands.config import Config, to_dict
 from islands.data.captions import recorded_text_encoder
+from islands.data.clusters import PartitionRecord
 from islands.data.latents import recorded_sha256
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS, ConditionRouter, condition_prior
 from islands.ddm.mixture import DEFAULT_ROUTING, ExpertSlot, Mixture, PriorRouter, parse_routing
@@ -66,8 +67,8 @@ def _one_of(entries: list[dict], key: str, what: str) -> str | None:
 def write_manifest(cfg: Config) -> dict:
     """List the experts and the router of the ensemble that `cfg` describes, as they are on disk now."""
     root = ensemble_dir(cfg)
-    partition = json.loads((partition_dir(cfg) / "partition.json").read_text())
-    sizes = partition["sizes"]
+    partition = PartitionRecord.of(partition_dir(cfg))
+    sizes = partition.sizes
     experts = []
     for k in range(cfg.ddm.k):
         if cfg.ddm.t_ranges:  # a cluster x range grid: the cluster's expert is its range experts behind a time gate
@@ -78,7 +79,7 @@ def write_manifest(cfg: Config) -> dict:
             entry = _entry(root, expert_dir(cfg, k), f"expert{k}")
         experts.append({**entry, "cluster": k, "size": sizes[k]})
     prior = [s / sum(sizes) for s in sizes]
-    manifest = {"k": cfg.ddm.k, "prior": prior, "partition": partition.get("method"),
+    manifest = {"k": cfg.ddm.k, "prior": prior, "partition": partition.method,
                 "experts": experts, "router": _entry(root, router_dir(cfg), "router")}
     members = [part for e in experts for part in e.get("ranges", [e])] + [manifest["router"]]
     # what sampling decodes with (every member saw the latents) and encodes prompts with, checked at every open
@@ -93,9 +94,9 @@ def write_manifest(cfg: Config) -> dict:
         manifest["condition_router"] = {"name": "condition router", "weights": str(weights.relative_to(root)),
                                         "sha256": file_sha256(weights),
                                         **{k: sizes[k] for k in ("width", "clusters", "hidden")}}
-    if partition.get("sizes_by_class"):  # p(cluster | class), for ancestral routing of class-conditional samples
+    if partition.sizes_by_class:  # p(cluster | class), for ancestral routing of class-conditional samples
         manifest["prior_by_class"] = [[c / sum(row) for c in row] if sum(row) else prior
-                                      for row in partition["sizes_by_class"]]
+                                      for row in partition.sizes_by_class]
     record = EnsembleManifest.read({"version": VERSION, **manifest}, root / MANIFEST)
     atomic_write_text(root / MANIFEST, record.dumps())
     return record.dump()

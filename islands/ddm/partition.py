@@ -18,7 +18,6 @@ fine and coarse centroids, fine assignment), each written to a temporary file an
 back with allow_pickle=False.
 """
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,9 +27,10 @@ import torch
 from tqdm import tqdm
 
 from islands.config import ConfigError
+from islands.data.clusters import PartitionRecord
 from islands.data.fingerprint import data_fingerprint
 from islands.data.sources import Source
-from islands.errors import DataError
+from islands.errors import CheckpointError, DataError
 from islands.eval.features import BATCH as FEATURE_BATCH
 from islands.eval.features import Features, Pixels
 from islands.images import save_grid
@@ -283,11 +283,10 @@ class Partition:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         arrays = {name: getattr(self, name) for name in ARRAY_NAMES}
-        meta = {key: getattr(self, key) for key in META_KEYS} | {"n": len(self.cluster)}
-        if self.sizes_by_class is not None:
-            meta["sizes_by_class"] = self.sizes_by_class
+        meta = PartitionRecord(**{key: getattr(self, key) for key in META_KEYS}, n=len(self.cluster),
+                               sizes_by_class=self.sizes_by_class)
         atomic_write(directory / ARRAYS_FILE, lambda f: np.savez(f, **arrays))
-        atomic_write_text(directory / META_FILE, json.dumps(meta, indent=1))
+        atomic_write_text(directory / META_FILE, meta.model_dump_json(indent=1, exclude_none=True))
         return directory
 
     @classmethod
@@ -295,11 +294,14 @@ class Partition:
         directory = Path(directory)
         meta_path, arrays_path = directory / META_FILE, directory / ARRAYS_FILE
         try:
-            meta = json.loads(meta_path.read_text())
-            fields = {key: meta[key] for key in META_KEYS} | {"sizes_by_class": meta.get("sizes_by_class")}
-            n = int(meta["n"])
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-            raise PartitionError(f"cannot read {meta_path}: {type(err).__name__}: {err}") from None
+            meta = PartitionRecord.read(meta_path)
+        except CheckpointError as err:
+            raise PartitionError(f"cannot read {err}") from None
+        if meta.data_sha256 is None:
+            raise PartitionError(f"cannot read {meta_path}: data_sha256: missing (made before partitions recorded "
+                                 "their data's fingerprint); partition again")
+        fields = {key: getattr(meta, key) for key in (*META_KEYS, "sizes_by_class")}
+        n = meta.n
         try:
             arrays = read_npz(arrays_path, ARRAY_NAMES, required=ARRAY_NAMES)
         except ValueError as err:

@@ -26,10 +26,11 @@ import yaml
 
 from islands.config import to_dict, validate
 from islands.data import build_data
+from islands.data.clusters import PartitionRecord
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS
 from islands.ddm.ensemble import MANIFEST, condition_router_of
 from islands.ddm.partition import ARRAYS_FILE, META_FILE
-from islands.ddm.records import VERSION, ConditionRouterRecord, EnsembleManifest, MemberRecord, count
+from islands.ddm.records import VERSION, ConditionRouterRecord, EnsembleManifest, MemberRecord
 from islands.errors import CheckpointError, ConfigError, DataError, IslandsWarning
 from islands.export.records import INDEX, ExportedExpert, ExportedIndex, RouterConfig
 from islands.generate import uninitialised_network
@@ -299,7 +300,7 @@ def _write_ensemble(building: Path, folder: _Folder, cfg, config: dict, runs: li
     (building / "partition").mkdir()
     for name in (META_FILE, ARRAYS_FILE):
         (building / "partition" / name).write_bytes(folder.read(f"partition/{name}"))
-    partition = folder.json(f"partition/{META_FILE}")
+    partition = PartitionRecord.parse(folder.read(f"partition/{META_FILE}"), folder.root / "partition" / META_FILE)
     given = {}  # what only some ensembles have is absent from the others' manifest, not null
     if index.prior_by_class:
         given.update(prior_by_class=index.prior_by_class[:-1])
@@ -314,7 +315,7 @@ def _write_ensemble(building: Path, folder: _Folder, cfg, config: dict, runs: li
             name="condition router", weights=f"{ROUTER_FOLDER}/{ROUTER_WEIGHTS}", sha256=_write(weights, path),
             **sizes))
         atomic_write_text(building / ROUTER_FOLDER / ROUTER_REPORT, json.dumps({**sizes, "calibration": {}}))
-    manifest = dict(version=VERSION, k=len(experts), prior=index.prior, partition=partition.get("method"),
+    manifest = dict(version=VERSION, k=len(experts), prior=index.prior, partition=partition.method,
                     experts=experts, router=router,
                     imported_from={"folder": str(folder.root), "ddm_sha256": file_sha256(folder.index_path)},
                     **given)
@@ -327,18 +328,16 @@ def _write_ensemble(building: Path, folder: _Folder, cfg, config: dict, runs: li
     atomic_write_text(building / MANIFEST, manifest.dumps())
 
 
-def _join(experts: list[MemberRecord], partition: dict, runs: list[Path], building: Path) -> dict:
+def _join(experts: list[MemberRecord], partition: PartitionRecord, runs: list[Path], building: Path) -> dict:
     """Runs trained here as experts K, K + 1, ... (appended to `experts`): the manifest's new sizes and priors; the
     routers trained for fewer clusters are set aside."""
     shape, num_classes = experts[0].shape, experts[0].num_classes
     sizes = [e.size for e in experts]
     # [class][cluster] counts; unconditional experts draw no sample by its class
-    by_class = partition.get("sizes_by_class") if num_classes else None
-    if by_class is not None and (not isinstance(by_class, list) or len(by_class) != num_classes or not all(
-            isinstance(row, list) and len(row) == len(sizes) for row in by_class)):
+    by_class = partition.sizes_by_class if num_classes else None  # counts >= 0 (the record's types)
+    if by_class is not None and (len(by_class) != num_classes or not all(len(row) == len(sizes) for row in by_class)):
         raise CheckpointError(f"partition/{META_FILE}: sizes_by_class is not {num_classes} rows of {len(sizes)} "
                               f"counts, one per class")
-    by_class = by_class and [[count(c, f"partition/{META_FILE}: sizes_by_class") for c in row] for row in by_class]
     for run in runs:
         entry, counts = _joined_expert(Path(run), len(experts), shape, num_classes, building)
         experts.append(entry)
