@@ -252,6 +252,13 @@ def start_now(slurm: Cluster, job: int, deadline: float, *changes: str) -> None:
     while job_processes(job):
         assert time.monotonic() < deadline, f"job {job}'s processes outlive its run: {job_processes(job)}"
         time.sleep(0.2)
+    # and once slurmd has let the last run go: a job started again while its node still ends the last run is killed
+    # ("Job credential revoked"), which Slurm's own delay avoids
+    slurm.wait(job, lambda fields: fields.get("JobState") == "PENDING", deadline, "requeued")
+    while "State=IDLE" not in slurm.run("scontrol", "-o", "show", "node"):
+        assert time.monotonic() < deadline, "the node does not go idle after the job's run"
+        time.sleep(0.2)
+    time.sleep(1.0)
     slurm.run("scontrol", "update", f"JobId={job}", *changes, "StartTime=now")
 
 

@@ -50,7 +50,8 @@ def read_clusters(partition_dir: str | Path, source: Source, data: str) -> np.nd
     cluster = np.asarray(arrays["cluster"], dtype=np.int64)
     if cluster.shape != (len(source),):
         raise DataError(f"partition {path} assigns {cluster.shape[0]} examples, the data has {len(source)}")
-    made_of = PartitionRecord.of(partition_dir).data_sha256
+    recorded = (Path(partition_dir) / PartitionRecord.FILE).exists()  # arrays alone: checked by their length
+    made_of = PartitionRecord.of(partition_dir).data_sha256 if recorded else None
     if made_of is None:
         warnings.warn(f"partition {partition_dir} records no fingerprint of its data: {data} is checked by its "
                       "length only; partition again to have it checked", IslandsWarning, stacklevel=2)
