@@ -34,6 +34,7 @@ import torch
 import yaml
 
 from benchmarks.common import RESULTS, BareLoop, build_net, cpu_seconds, median, others_share, save, setup, table
+from benchmarks.loader import step_rate  # the Fashion U-Net's bf16 step, as section 21 times it
 from islands.data import storage
 from islands.data.loader import stream_loader
 from islands.data.order import BlockOrder, GlobalOrder
@@ -47,7 +48,6 @@ SHARD_SIZE = 4096
 WORKERS = 2
 LATENCIES = (0.0, 0.020, 0.080)
 ROUNDS = 2
-STEPS = 3
 BLOCK, WINDOW = 256, 8
 TARGET = 3.0  # blocks at 80 ms against the step's images/s
 PRECISION = "bf16" if bf16_is_native("cpu") else "fp32"
@@ -97,14 +97,6 @@ class Latency:
 
     def __exit__(self, *exc):
         storage.read_range = self.real
-
-
-def step_rate(loop: BareLoop) -> float:
-    loop.step()
-    start = time.perf_counter()
-    for _ in range(STEPS):
-        loop.step()
-    return STEPS * BATCH / (time.perf_counter() - start)
 
 
 def loader_rate(source, order, batches: int, round_: int) -> float:

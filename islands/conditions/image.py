@@ -97,9 +97,6 @@ class ImageKind(ConditionKind):
         source = evaluator.source
         return SampleRequest(images=source.read([i % len(source) for i in range(num)], (X,))[X])
 
-    def first_examples(self, source, indices: list[int]):
-        return source.read(indices, (self.field,))[self.field], None
-
     def check_exportable(self, cfg) -> None:
         raise ConfigError("model.condition: an image-conditioned run has no diffusers pipeline to export to; sample "
                           "it with islands sample --condition-image or --then")

@@ -79,7 +79,7 @@ class ConditionKind:
 
     def first_examples(self, source, indices: list[int]):
         """(conditions, captions to print) of a sample grid drawn for the data's own examples (`grid_from_data`)."""
-        return None, None
+        return source.read(indices, (self.field,))[self.field], None
 
     def refuse_others(self, sampler, request: SampleRequest, mine: str | None = None) -> None:
         """One line for a request of another kind than this one's."""

@@ -37,6 +37,10 @@ class NetworkCondition:
         """The network's input: the noisy example, with the condition's channels after it where it has some."""
         return x
 
+    def or_null(self, condition: Tensor | None, batch: int, device) -> Tensor:
+        """`condition` if given, else none (`null`, the kind's own) for every example."""
+        return self.null(batch, device) if condition is None else condition
+
 
 class ClassLabels(NetworkCondition):
     """A class index in [0, num_classes), and `num_classes` for none: what a network that embeds its classes itself
@@ -50,10 +54,6 @@ class ClassLabels(NetworkCondition):
     def null(self, batch: int, device) -> Tensor:
         """No class, for `batch` examples."""
         return torch.full((batch,), self.num_classes, dtype=torch.long, device=device)
-
-    def or_null(self, condition: Tensor | None, batch: int, device) -> Tensor:
-        """`condition` if given, else none for every example."""
-        return self.null(batch, device) if condition is None else condition
 
     def drop(self, condition: Tensor, dropped: Tensor) -> Tensor:
         """`condition` with the examples where `dropped` is True made none."""
@@ -113,9 +113,6 @@ class PackedCaption(NetworkCondition):
     def null(self, batch: int, device) -> Tensor:
         """No caption, for `batch` examples (one empty token row: `given_tokens` puts the learned null there)."""
         return torch.zeros(batch, 2, self.depth + 1, device=device)
-
-    def or_null(self, condition: Tensor | None, batch: int, device) -> Tensor:
-        return self.null(batch, device) if condition is None else condition
 
     def placeholder(self, batch: int, device) -> Tensor:
         """Captions of the most tokens, all given (zero states): what a FLOP count runs the network on."""
@@ -206,9 +203,6 @@ class ImageCondition(NetworkCondition, nn.Module):
 
     def null(self, batch: int, device) -> Tensor:
         return torch.zeros(batch, self.channels, 1, 1, device=device)  # upsampled to zeros of any size
-
-    def or_null(self, condition: Tensor | None, batch: int, device) -> Tensor:
-        return self.null(batch, device) if condition is None else condition
 
     def drop(self, condition: Tensor, dropped: Tensor) -> Tensor:
         return condition * (~dropped).to(condition.dtype).reshape(-1, 1, 1, 1)
