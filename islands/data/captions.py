@@ -37,20 +37,34 @@ class TextEncoderRecord(WeightsRecord):
     FILE: ClassVar[str] = "text_encoder.json"
     text_encoder: str
 BATCH = 256  # captions encoded at once
+KNOWN_BYTES = 256 * 2**20  # what a writer keeps of captions it encoded, for the captions that come again
 
 
-def encode_captions(encoder: TextEncoder, captions: list[str], tokens: int, progress: bool = False) -> torch.Tensor:
-    """Captions -> their packed embeddings (n, 1 + tokens, D + 1), float32 on the CPU, `BATCH` at a time."""
-    parts = []
-    for lo in tqdm(range(0, len(captions), BATCH), disable=not progress, desc="captions", unit="batch"):
-        e = encoder.encode(captions[lo:lo + BATCH], pad_to=tokens)
-        parts.append(pack_text(e.tokens.float(), e.mask, e.pooled.float()).cpu())
-    return torch.cat(parts)
+def encode_captions(encoder: TextEncoder, captions: list[str], tokens: int, progress: bool = False,
+                    known: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Captions -> their packed embeddings (n, 1 + tokens, D + 1), float32 on the CPU, `BATCH` at a time. Each
+    distinct caption is encoded once (captions repeat: class names, templates, alt text copied across pages), and
+    none that `known` holds already; what is encoded is added to `known`."""
+    known = {} if known is None else known
+    missing = [c for c in dict.fromkeys(captions) if c not in known]
+    for lo in tqdm(range(0, len(missing), BATCH), disable=not progress, desc="captions", unit="batch"):
+        e = encoder.encode(missing[lo:lo + BATCH], pad_to=tokens)
+        packed = pack_text(e.tokens.float(), e.mask, e.pooled.float()).cpu()
+        known.update(zip(missing[lo:lo + BATCH], packed, strict=True))
+    return torch.stack([known[c] for c in captions])
 
 
 def caption_table(source: Source, encoder: TextEncoder, tokens: int, progress: bool = False) -> torch.Tensor:
     """Every caption of `source` encoded, read from the cache where the same encoder (by its files' digest) encoded
-    the same captions at the same token count before."""
+    the same captions at the same token count before. The table is held whole: a set whose table would not fit in
+    memory is refused, and encoded into its shards instead (`islands encode --text-encoder`), which a run reads
+    example by example."""
+    row = (1 + tokens) * (max(encoder.width, encoder.pooled_width) + 1) * 4
+    needed, available = len(source) * row, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if 2 * needed > available:  # the table, and the rows it is stacked from
+        raise DataError(f"data.path: {len(source):,} captions make a {needed / 2**30:.1f} GiB table of embeddings "
+                        f"(held twice while it is made), more than half of this machine's {available / 2**30:.1f} "
+                        "GiB; encode them into the shards once with `islands encode CONFIG OUT --text-encoder NAME`")
     captions = source.captions(range(len(source)))
     key = hashlib.sha256(json.dumps([encoder.sha256, tokens, captions]).encode()).hexdigest()
     path = cache_dir() / "captions" / f"{key}.safetensors"
@@ -125,13 +139,15 @@ class CaptionWriter(ExampleWriter):
     the text encoder; the manifest says which encoder made them."""
 
     def __init__(self, inner: ExampleWriter, encoder: TextEncoder, name: str, tokens: int):
-        self.inner, self.encoder, self.tokens = inner, encoder, tokens
+        self.inner, self.encoder, self.tokens, self.known = inner, encoder, tokens, {}
         self.members = [*inner.members, CAPTION_MEMBER]
-        depth = max(encoder.width, encoder.pooled_width) + 1
+        self.depth = depth = max(encoder.width, encoder.pooled_width) + 1
         self.manifest = {**inner.manifest, "caption_embeddings": {
             "text_encoder": name, "sha256": encoder.sha256, "tokens": tokens, "width": encoder.width,
             "pooled_width": encoder.pooled_width, "shape": [1 + tokens, depth], "dtype": "float32"}}
 
     def __call__(self, x: torch.Tensor, captions: list[str] | None = None) -> list[dict[str, bytes]]:
-        packed = encode_captions(self.encoder, captions, self.tokens)
+        if len(self.known) * (1 + self.tokens) * self.depth * 4 > KNOWN_BYTES:
+            self.known.clear()  # a bound, not a cache policy: a set of mostly distinct captions gains nothing here
+        packed = encode_captions(self.encoder, captions, self.tokens, known=self.known)
         return [{**example, CAPTION_MEMBER: npy_bytes(packed[j])} for j, example in enumerate(self.inner(x, captions))]
