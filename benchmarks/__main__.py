@@ -1,5 +1,8 @@
 """Run the benchmarks: `python -m benchmarks` runs them all, `python -m benchmarks precision` one of them.
 
+A single benchmark takes its own options after its name (`python -m benchmarks data_scale 100000 --skip-partition`):
+it reads them from sys.argv itself.
+
 Each prints its table, writes benchmarks/results/<name>.json and any figure to docs/figures/.
 """
 
@@ -22,10 +25,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", metavar="name",
                         help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
-    names = parser.parse_args().names or BENCHMARKS
-    for name in names:
-        if name not in BENCHMARKS:
-            parser.error(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
+    arguments, options = parser.parse_known_args()
+    names = [a for a in arguments.names if a in BENCHMARKS] or BENCHMARKS
+    options += [a for a in arguments.names if a not in BENCHMARKS]
+    for option in options:
+        if not (option.startswith("-") or option.replace(".", "").isdigit()):
+            parser.error(f"unknown benchmark {option!r}; choose from {', '.join(BENCHMARKS)}")
+    if options and len(names) != 1:
+        parser.error(f"options {' '.join(options)} go with one benchmark, not {len(names)}")
     suite_start = time.perf_counter()
     verdicts = []
     for name in names:
