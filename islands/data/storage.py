@@ -78,18 +78,50 @@ def _fs(url: str):
         raise StorageError(f"{url}: {e}") from None
 
 
+def scheme_of(url: str) -> str:
+    return SCHEME.match(url).group(1).lower()
+
+
+# Where each store's endpoint and credentials come from (the environment, as its client reads it).
+ENDPOINT = {"gs": "STORAGE_EMULATOR_HOST for an emulator", "gcs": "STORAGE_EMULATOR_HOST for an emulator",
+            "http": "the URL itself", "https": "the URL itself"}
+CREDENTIALS = {"gs": "GOOGLE_APPLICATION_CREDENTIALS or gcloud's login", "gcs": "GOOGLE_APPLICATION_CREDENTIALS "
+               "or gcloud's login", "http": "none are sent", "https": "none are sent"}
+WEB = ("http", "https")  # a web server: read with ranged GETs, never written
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """What a client's error wraps: fsspec's HTTP reader raises FileNotFoundError for a server that does not answer
+    as for a missing file, the connection error as its cause."""
+    seen = e
+    while seen.__cause__ is not None and seen.__cause__ is not seen:
+        seen = seen.__cause__
+    return seen
+
+
 def _failure(url: str, what: str, e: BaseException) -> StorageError:
     """One line for whatever the store's client raised."""
+    scheme = scheme_of(url) if SCHEME.match(url) else ""
+    cause = _root_cause(e)
+    if isinstance(e, FileNotFoundError) and cause is not e:  # fsspec's HTTP reader: whatever went wrong
+        status = getattr(cause, "status", None)  # a web server's answer
+        if isinstance(status, int):
+            why = "no such object" if status in (404, 410) else getattr(cause, "message", "") or "refused"
+            return StorageError(f"{url}: cannot {what}: {why} (HTTP {status})")
+        if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):  # no answer at all
+            e = cause
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if isinstance(e, FileNotFoundError):
         why = f"no such object or bucket ({text})"
     elif isinstance(e, PermissionError):
-        why = (f"access refused ({text}); credentials come from the environment (AWS_ACCESS_KEY_ID, "
-               "AWS_SECRET_ACCESS_KEY, AWS_PROFILE), never from the config")
+        why = (f"access refused ({text}); credentials come from the environment ("
+               f"{CREDENTIALS.get(scheme, 'AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE')}), never from "
+               "the config")
     else:
         why = f"{type(e).__name__}: {text}"
-        if "connect" in why.lower() or "endpoint" in why.lower() or "timeout" in why.lower():
-            why += " (the endpoint comes from the environment: AWS_ENDPOINT_URL)"
+        if any(word in why.lower() for word in ("connect", "endpoint", "timeout", "refused")):
+            why += (" (the server does not answer)" if scheme in WEB else
+                    f" (the endpoint comes from the environment: {ENDPOINT.get(scheme, 'AWS_ENDPOINT_URL')})")
     return StorageError(f"{url}: cannot {what}: {why}")
 
 
@@ -154,8 +186,8 @@ def sizes(urls: list[str]) -> dict[str, int]:
             continue
         except Exception as e:
             raise _failure(parent, "list it", e) from None
-        for entry in entries:
-            if entry.get("type") != "directory":
+        for entry in entries:  # a web server's listing is links, without sizes: those are asked one by one
+            if entry.get("type") != "directory" and entry.get("size") is not None:
                 found[join(parent, name_of(entry["name"]))] = int(entry["size"])
     for u in urls:
         if u not in found:
@@ -195,12 +227,31 @@ def glob(pattern: str) -> list[str]:
 
 def check_bucket(url: str, what: str = "write") -> None:
     """The store answers and the bucket (or host) is there: one request, so that a writer stops before it writes and
-    a reader names the bucket, not the object, that is missing."""
+    a reader names the bucket, not the object, that is missing. A web server is read-only: a writer is refused."""
+    if scheme_of(url) in WEB:
+        if what == "write":
+            raise StorageError(f"{url}: cannot write: a web server (http, https) is read-only here; write to a "
+                               "local folder or a bucket (s3://, gs://) and serve that")
+        _check_server(url)
+        return
     fs, path = _fs(url)
     root = path.split("/", 1)[0]
     if not _call(url, "reach its bucket", lambda: (fs.invalidate_cache(root), fs.exists(root))[1]):
         raise StorageError(f"{url}: cannot {what}: no bucket {root!r} at the endpoint"
                            f"{' (create it first)' if what == 'write' else ''}")
+
+
+def _check_server(url: str) -> None:
+    """A web server has no bucket: its host answers (any status: a missing file is the caller's to name), or the
+    one line says it does not."""
+    fs, _ = _fs(url)
+    host = re.match(r"^[a-z]+://[^/]+", url, re.IGNORECASE).group(0)
+    try:
+        fs.info(f"{host}/")
+    except Exception as e:  # any answer, a 404 too, says the server is there; a connection error that it is not
+        cause = _root_cause(e)
+        if not isinstance(e, FileNotFoundError) or isinstance(cause, OSError) and cause is not e:
+            raise _failure(url, "reach its server", e) from None
 
 
 def put(local: Path, url: str) -> None:
