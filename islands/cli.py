@@ -118,13 +118,14 @@ def _encode(args) -> int:
 
 
 def _write_shards(args, autoencoder: str | None = None, text_encoder: str | None = None) -> dict | None:
+    from islands.data import storage
     from islands.data.write import write_data
     from islands.parallel.launch import close_world, init_world
 
     cfg = load_config(args.config, args.overrides)
     world = init_world()
     try:
-        return write_data(cfg, Path(args.out), args.shard_size, autoencoder, text_encoder,
+        return write_data(cfg, storage.location(args.out), args.shard_size, autoencoder, text_encoder,
                           getattr(args, "text_tokens", 32), getattr(args, "batch_size", 64), world.rank, world.size,
                           world.barrier, world.device, progress=not args.quiet)
     finally:
@@ -132,13 +133,15 @@ def _write_shards(args, autoencoder: str | None = None, text_encoder: str | None
 
 
 def _index(args) -> int:
+    from islands.data import storage
     from islands.data.tar_index import index_tars
     from islands.parallel.launch import close_world, init_world
 
     world = init_world()
     try:
-        manifest = index_tars(args.tars, Path(args.out), args.caption_key, args.class_key, world.rank, world.size,
-                              world.barrier, progress=not args.quiet)
+        tars = str(storage.location(args.tars))  # a file:// URL is its local path, as for OUT
+        manifest = index_tars(tars, storage.location(args.out), args.caption_key, args.class_key, world.rank,
+                              world.size, world.barrier, progress=not args.quiet)
     finally:
         close_world()
     if manifest is not None:
@@ -148,10 +151,11 @@ def _index(args) -> int:
 
 
 def _verify(args) -> int:
+    from islands.data import storage
     from islands.data.tar_index import verify
     from islands.errors import DataError
 
-    examples, bad = verify(Path(args.data), progress=not args.quiet)
+    examples, bad = verify(storage.location(args.data), progress=not args.quiet)
     for line in bad:
         print(line)
     if bad:
@@ -275,7 +279,8 @@ def _choices(key: str) -> tuple[str, ...]:
 def _shard_arguments(p, what: str) -> None:
     """The arguments `islands shard` and `islands encode` share."""
     p.add_argument("config", help=f"a config whose data section names the {what}")
-    p.add_argument("out", help="the shard folder to write: absent or empty")
+    p.add_argument("out", help="the shard folder to write (absent or empty), or a URL: s3://bucket/prefix, gs://..."
+                   " (an empty prefix of a bucket that is there)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
     p.add_argument("--shard-size", type=int, default=4096, help="examples per shard (default 4096)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -376,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Write the examples of the config's data section, whatever its source, into "
                                    "OUT/shard-NNNNNN.tar (webdataset layout) with an index per shard and "
                                    "OUT/manifest.json; a run reads them with data.source=shards data.path=OUT. Under "
-                                   "torchrun each rank writes every W-th shard (OUT on a filesystem all ranks see).")
+                                   "torchrun each rank writes every W-th shard (OUT on a filesystem all ranks see, "
+                                   "or a URL).")
     _shard_arguments(p, "examples")
     p.set_defaults(func=_shard)
 
@@ -405,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "decodes are left out and counted in the manifest. Under torchrun each rank indexes "
                                    "every W-th tar.")
     p.add_argument("tars", metavar="TARS", help="a folder of .tar files, a glob, or data-{000000..000099}.tar")
-    p.add_argument("out", metavar="OUT", help="the index folder to write (absent or empty)")
+    p.add_argument("out", metavar="OUT", help="the index folder to write (absent or empty), or a URL: "
+                   "s3://bucket/prefix, gs://...")
     p.add_argument("--caption-key", help="read captions from this key of each example's .json (default: its .txt)")
     p.add_argument("--class-key", help="read classes (integers) from this key of each example's .json (default: its "
                    ".cls)")
@@ -416,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Read every member of every example of DATA (a folder 'islands index' or 'islands "
                                    "shard' wrote), check it against its sha256 and decode its image: the whole pass a "
                                    "run never makes before its first step. Lists the bad examples; exit 2 if any.")
-    p.add_argument("data", metavar="DATA", help="the folder")
+    p.add_argument("data", metavar="DATA", help="the folder, or its URL (s3://, gs://, http(s)://)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_verify)
 

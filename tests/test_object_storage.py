@@ -292,3 +292,70 @@ def test_refused_credentials_are_one_line_naming_where_credentials_come_from(tmp
     assert main(["train", _config(tmp_path, image_npz, source="shards", path=f"{s3}/shards"), "--quiet"]) == 2
     err = _one_line(capsys)
     assert f"{s3}/shards/manifest.json" in err and "access refused" in err and "AWS_ACCESS_KEY_ID" in err, err
+
+
+def test_islands_encode_to_a_bucket_writes_a_disk_s_bytes_and_a_run_trains_from_them_as_from_the_disk(
+        tmp_path, image_npz, s3):
+    """The latents of test_encode's tiny autoencoder put in a bucket are the bytes `islands encode` writes to a
+    disk, and a latent run reading them from the bucket ends with the weights of the same run reading the disk."""
+    from test_encode import stored_run
+    from test_latents import saved_vae
+
+    vae = saved_vae(tmp_path / "vae")
+    config = write_config(tmp_path / "c.yaml", {"run_dir": str(tmp_path / "r"),
+                                                "data": {"source": "npz", "path": str(image_npz), "flip": True}})
+    for out in (str(tmp_path / "latents"), f"{s3}/latents/"):
+        assert main(["encode", config, out, "--autoencoder", str(vae), "--shard-size", str(SHARD),
+                     "--batch-size", "4", "--quiet"]) == 0
+    local = _files(tmp_path / "latents")
+    assert _objects(f"{s3}/latents") == local and len(local) == 22
+    short = {"images": 16, "checkpoint_every": 16, "sample_every": 0}
+    runs = []
+    for name, path in (("disk", str(tmp_path / "latents")), ("bucket", f"{s3}/latents")):
+        cfg = stored_run(tmp_path / name, path, vae, **short).model_dump()  # test_encode's run, in blocks of 4
+        cfg["data"].update(path=path, order="blocks", block=4, window=2)
+        runs.append(train(validate(cfg), progress=False))
+    a, b = (load_weights(latest_checkpoint(run) / "model.safetensors") for run in runs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_islands_verify_on_a_bucket_checks_every_member_and_names_a_changed_object_in_one_line(tmp_path, image_npz,
+                                                                                              s3, capsys):
+    _shard(tmp_path, image_npz, f"{s3}/shards")
+    capsys.readouterr()
+    assert main(["verify", f"{s3}/shards", "--quiet"]) == 0
+    assert capsys.readouterr().out.strip() == (f"{s3}/shards: all 64 examples good (every member's sha256 and every "
+                                               "image checked)")
+    url = f"{s3}/shards/shard-000004.tar"
+    data = bytearray(storage.read_bytes(url))
+    storage.download(f"{s3}/shards/shard-000004.idx.npy", tmp_path / "i.npy")
+    data[int(np.load(tmp_path / "i.npy")[7, 0, 0]) + 1] ^= 1  # example 47's PNG signature, the size unchanged
+    (tmp_path / "t.tar").write_bytes(bytes(data))
+    storage.put(tmp_path / "t.tar", url)
+    assert main(["verify", f"{s3}/shards", "--quiet"]) == 2
+    out, err = capsys.readouterr()
+    assert len(out.strip().splitlines()) == 1 and url in out, out
+    assert len(err.strip().splitlines()) == 1 and "1 of 64 examples are bad" in err, err
+
+
+def _sha256s(url: str) -> dict[str, str]:
+    import hashlib
+
+    return {name: hashlib.sha256(data).hexdigest() for name, data in _objects(url).items()}
+
+
+def test_islands_shard_and_index_on_two_ranks_put_in_a_bucket_the_bytes_one_process_puts(tmp_path, image_npz, s3):
+    """Each rank writes every second shard (and indexes every second tar) and rank 0 the manifest: the objects are
+    those one process writes, byte for byte, the manifest included, and nothing else is left in the prefix."""
+    from conftest import run_ranks
+
+    config = write_config(tmp_path / "npz.yaml", {"run_dir": str(tmp_path / "r"),
+                                                  "data": {"source": "npz", "path": str(image_npz)}})
+    for command, made in ((["shard", config], "shards"), (["index", f"{s3}/one-shards/"], "index")):
+        for out, nproc in ((f"{s3}/one-{made}", 1), (f"{s3}/two-{made}", 2)):
+            extra = ["--shard-size", str(SHARD)] if command[0] == "shard" else []
+            ranks = run_ranks([*command, out, *extra, "--quiet"], nproc=nproc, timeout=180)
+            assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
+        one, two = _sha256s(f"{s3}/one-{made}"), _sha256s(f"{s3}/two-{made}")
+        assert one == two and "manifest.json" in one, (made, sorted(one), sorted(two))
+    assert len(one) == 15  # the index: an index and a sha256 file per tar, the manifest
