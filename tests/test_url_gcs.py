@@ -41,8 +41,9 @@ def gcs(monkeypatch):
 
     # The emulator logs each missing object as an error; gcsfs warns at each open that, without Google credentials,
     # it cannot ask the bucket's layout (it falls back to the plain API, which is what the emulator serves).
-    for name in ("gcp_storage_emulator", "gcsfs"):
-        monkeypatch.setattr(logging.getLogger(name), "level", logging.CRITICAL)
+    loggers = {name: logging.getLogger(name).level for name in ("gcp_storage_emulator", "gcsfs")}
+    for name in loggers:
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # setLevel: the loggers' cached levels go too
     ranged = []
 
     def download(request, response, *args, **kwargs):
@@ -62,6 +63,8 @@ def gcs(monkeypatch):
     yield f"gs://{BUCKET}", ranged
     _fresh_clients()
     server.stop()
+    for name, level in loggers.items():
+        logging.getLogger(name).setLevel(level)
 
 
 def test_islands_shard_to_a_gs_bucket_writes_a_disk_s_bytes_and_a_run_reads_them_in_blocks_of_one_request(

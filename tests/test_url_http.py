@@ -172,7 +172,7 @@ def test_writing_to_a_web_server_is_refused_in_one_line_before_anything_is_writt
     assert not seen and not any(folder.iterdir())  # refused before any request
 
 
-def test_islands_verify_checks_a_served_folder_and_names_a_changedshard_to(tmp_path, image_npz, web, capsys):
+def test_islands_verify_checks_a_served_folder_and_names_a_changed_shard(tmp_path, image_npz, web, capsys):
     url, folder, _ = web
     assert shard_to(tmp_path, image_npz, str(folder / "shards")) == 0
     capsys.readouterr()
