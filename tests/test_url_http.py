@@ -19,7 +19,7 @@ from conftest import tiny_unet_config, write_config
 
 from islands.cli import main
 from islands.config import validate
-from islands.data import build_data
+from islands.data import build_data, storage
 from islands.data.loader import stream_loader
 from islands.data.order import build_order
 from islands.parallel.launch import free_port
@@ -152,6 +152,8 @@ def test_a_missing_folder_and_a_server_that_is_down_are_one_line_naming_the_url(
     assert train_from(f"{url}/shards") == 2
     err = one_line(capsys)
     assert f"{url}/shards/shard-000002.tar is missing" in err, err
+    with pytest.raises(storage.StorageError, match=r"000002.tar: cannot look it up: no such object \(HTTP 404\)$"):
+        storage.stat(f"{url}/shards/shard-000002.tar")  # the server's answer, not fsspec's FileNotFoundError alone
 
     shutil.rmtree(folder / "shards")
     nobody = f"http://127.0.0.1:{free_port()}/shards"  # nothing listens there

@@ -83,33 +83,34 @@ def scheme_of(url: str) -> str:
 
 
 # Where each store's endpoint and credentials come from (the environment, as its client reads it).
-ENDPOINT = {"gs": "STORAGE_EMULATOR_HOST for an emulator", "gcs": "STORAGE_EMULATOR_HOST for an emulator",
-            "http": "the URL itself", "https": "the URL itself"}
+ENDPOINT = {"gs": "STORAGE_EMULATOR_HOST for an emulator", "gcs": "STORAGE_EMULATOR_HOST for an emulator"}
 CREDENTIALS = {"gs": "GOOGLE_APPLICATION_CREDENTIALS or gcloud's login", "gcs": "GOOGLE_APPLICATION_CREDENTIALS "
                "or gcloud's login", "http": "none are sent", "https": "none are sent"}
 WEB = ("http", "https")  # a web server: read with ranged GETs, never written
 
 
-def _root_cause(e: BaseException) -> BaseException:
-    """What a client's error wraps: fsspec's HTTP reader raises FileNotFoundError for a server that does not answer
-    as for a missing file, the connection error as its cause."""
-    seen = e
-    while seen.__cause__ is not None and seen.__cause__ is not seen:
-        seen = seen.__cause__
-    return seen
+def _wrapped(e: BaseException) -> BaseException | None:
+    """What fsspec's HTTP reader wrapped in the FileNotFoundError it raises for anything that went wrong, a server
+    that does not answer as a missing file: the connection error, or the answer (aiohttp's, with its `status`);
+    None for a FileNotFoundError of its own or another error."""
+    if not isinstance(e, FileNotFoundError) or e.__cause__ is None:
+        return None
+    cause = e.__cause__
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    return None if isinstance(cause, FileNotFoundError) else cause
 
 
 def _failure(url: str, what: str, e: BaseException) -> StorageError:
     """One line for whatever the store's client raised."""
     scheme = scheme_of(url) if SCHEME.match(url) else ""
-    cause = _root_cause(e)
-    if isinstance(e, FileNotFoundError) and cause is not e:  # fsspec's HTTP reader: whatever went wrong
-        status = getattr(cause, "status", None)  # a web server's answer
-        if isinstance(status, int):
-            why = "no such object" if status in (404, 410) else getattr(cause, "message", "") or "refused"
-            return StorageError(f"{url}: cannot {what}: {why} (HTTP {status})")
-        if isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError):  # no answer at all
-            e = cause
+    cause = _wrapped(e)
+    status = getattr(cause, "status", None)  # a web server's answer
+    if isinstance(status, int):
+        why = "no such object" if status in (404, 410) else getattr(cause, "message", "") or "refused"
+        return StorageError(f"{url}: cannot {what}: {why} (HTTP {status})")
+    if isinstance(cause, OSError):  # no answer at all
+        e = cause
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if isinstance(e, FileNotFoundError):
         why = f"no such object or bucket ({text})"
@@ -249,8 +250,7 @@ def _check_server(url: str) -> None:
     try:
         fs.info(f"{host}/")
     except Exception as e:  # any answer, a 404 too, says the server is there; a connection error that it is not
-        cause = _root_cause(e)
-        if not isinstance(e, FileNotFoundError) or isinstance(cause, OSError) and cause is not e:
+        if not isinstance(e, FileNotFoundError) or isinstance(_wrapped(e), OSError):
             raise _failure(url, "reach its server", e) from None
 
 
