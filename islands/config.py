@@ -586,6 +586,14 @@ class ParallelConfig(Section):
     outer_lr: float = Field(0.7, gt=0)  # diloco: the outer Nesterov SGD step on the averaged parameter change
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     fragments: int = Field(1, ge=1)  # streaming: the parameters in F fragments that synchronise in turn
+    # local_sgd, diloco: candidates for closing the gap to data parallelism (issue 40), all off by default
+    warm_start_images: int = Field(0, ge=0)  # the steps begun before image N data parallel; the rounds begin after
+    sync_every_start: int | None = Field(None, ge=1)  # H0: H grows linearly from it to sync_every (whole syncs)
+    sync_every_ramp_images: int | None = Field(None, ge=1)  # images over which H grows to sync_every; None: the run
+    overlap_steps: int = Field(0, ge=0)  # tau: an exchange lands tau steps after it began (Streaming DiLoCo)
+    mixing: float = Field(0.0, ge=0, lt=1)  # alpha: where one lands, local <- alpha local + (1 - alpha) synchronised
+    inner_state: Literal["keep", "reset"] = "keep"  # the inner optimizer's state at a synchronisation: kept or zeroed
+    outer_ema: Literal["anchor", "mean"] = "anchor"  # diloco: the EMA takes in the outer weights or the replicas' mean
     # islands of islands: R groups of ranks, each one replica trained by `inner` every step; None: one per rank
     replicas: int | None = Field(None, ge=1)
     inner: Literal["ddp"] = "ddp"
@@ -620,10 +628,36 @@ class ParallelConfig(Section):
                 raise ValueError(f"min_replicas: {self.min_replicas} is more than parallel.replicas={self.replicas}")
         elif self.replica_id is not None:
             raise ValueError("replica_id: only replicas joined through parallel.lighthouse have an id")
+        self._check_local_candidates()
         if (self.schedule == "interleaved") != (self.virtual_stages > 1):
             raise ValueError("virtual_stages: the interleaved schedule needs virtual_stages >= 2, "
                              f"and only it has virtual stages (schedule={self.schedule!r})")
         return self
+
+    def _check_local_candidates(self) -> None:
+        """What the local updates' candidates (warm start, growing H, overlap) cannot be combined with."""
+        shortest = self.sync_every_start or self.sync_every
+        if self.sync_every_start is not None:
+            if self.sync_every_start > self.sync_every:
+                raise ValueError(f"sync_every_start: {self.sync_every_start} is more than sync_every="
+                                 f"{self.sync_every}, which H grows to")
+            if self.fragments > 1 or self.worker_sync_every is not None:
+                raise ValueError("sync_every_start: a growing H is offered for whole synchronisations of alike "
+                                 "replicas only (fragments=1, no worker_sync_every)")
+        elif self.sync_every_ramp_images is not None:
+            raise ValueError("sync_every_ramp_images: H grows only from parallel.sync_every_start, which is not given")
+        if self.overlap_steps >= shortest:
+            raise ValueError(f"overlap_steps: {self.overlap_steps} steps is not less than the {shortest} steps "
+                             "between a fragment's exchanges (its result must land before its next exchange)")
+        if self.warm_start_images and (self.worker_batch or self.worker_lr or self.worker_sync_every):
+            raise ValueError("warm_start_images: the data-parallel warm start needs alike replicas (no worker_batch, "
+                             "worker_lr or worker_sync_every)")
+        if self.lighthouse is not None:
+            given = [k for k, off in (("warm_start_images", 0), ("sync_every_start", None), ("overlap_steps", 0),
+                                      ("mixing", 0.0)) if getattr(self, k) != off]
+            if given:
+                raise ValueError(f"{given[0]}: not offered with parallel.lighthouse (replicas that are separate jobs "
+                                 "synchronise whole, every sync_every steps, at once)")
 
 
 class Config(Section):

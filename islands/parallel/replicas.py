@@ -16,6 +16,13 @@ class Replicas:
     def attach(self, net: nn.Module) -> None:
         """Called once the layout has wrapped `net` (whose weights are then the same on every rank of a replica)."""
 
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The inner optimizer, whose state a synchronisation may reset."""
+
+    def before_step(self, params: list[torch.Tensor], images: int) -> None:
+        """Called between the backward pass and the optimizer step, with the images consumed before this step (the
+        gradients may be averaged over the replicas here)."""
+
     def after_step(self, images: int, last: bool = False) -> int | None:
         """Called after every optimizer step, with the images consumed so far and whether it was the run's last (an
         outer step may happen here). -> the images the EMA takes in now: None for this step's, since the weights

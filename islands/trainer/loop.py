@@ -64,6 +64,7 @@ def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool =
     # Adam's second moments of rarely-used weights decay into denormal floats, which are ~100x slower on CPUs.
     torch.set_flush_denormal(True)
     parts = build_parts(cfg, world, teacher)
+    parts.strategy.replicas.attach_optimizer(parts.opt)  # a synchronisation may reset its state
     state = parts.resume(fall_back)
     if state.images >= cfg.train.images:
         if progress:
@@ -106,7 +107,7 @@ def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool =
                 # pinned memory, unwaited).
                 batch = next(loader)
                 micro_batches = batch.chunk(accumulate)
-                loss, grad_norm, finite = optimizer_step(parts, micro_batches, lr)
+                loss, grad_norm, finite = optimizer_step(parts, micro_batches, lr, state.images)
             else:  # a slower replica waits out the round; it still votes on whether the others' step was finite
                 loss, grad_norm, finite = math.nan, math.nan, world.all_finite(True)
 
@@ -159,16 +160,17 @@ def _train(cfg: Config, world: World, progress: bool, teacher, fall_back: bool =
     return parts.run_dir
 
 
-def optimizer_step(parts: Parts, micro_batches: list, lr: float) -> tuple[float, float, bool]:
-    """One optimizer step, skipped on every rank if any saw a non-finite loss or gradient. -> (loss, gradient
-    norm, whether it was taken)."""
+def optimizer_step(parts: Parts, micro_batches: list, lr: float, images: int = 0) -> tuple[float, float, bool]:
+    """One optimizer step after `images` images, skipped on every rank if any saw a non-finite loss or gradient.
+    -> (loss, gradient norm, whether it was taken)."""
     opt, scaler = parts.opt, parts.scaler
     for group in opt.param_groups:
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)
     loss = parts.strategy.layout.forward_backward(parts.model, parts.objective, micro_batches, scaler)
-    scaler.unscale_(opt)
     params = [p for p in parts.net.parameters() if p.requires_grad]
+    parts.strategy.replicas.before_step(params, images)  # replicas in a warm start average their gradients
+    scaler.unscale_(opt)
     grad_norm = parts.strategy.layout.clip_grad_norm(params, parts.cfg.train.grad_clip or math.inf)
     finite = parts.world.all_finite(bool(torch.isfinite(loss) and torch.isfinite(grad_norm)))
     if finite:
