@@ -18,7 +18,7 @@ BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "netw
               "range_experts", "distributed_sampling", "plan", "error_vs_dimension", "local_updates", "gpu",
               "sampling_e2e", "loader", "low_res_first", "autoencoder", "latent_vs_pixel", "text_encoder",
               "condition_router", "ddm_text", "ddm_export", "data_startup", "cascade", "object_storage", "data_scale",
-              "collectives"]
+              "collectives", "diloco_candidates"]
 
 
 def main() -> None:
