@@ -29,7 +29,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
@@ -150,11 +150,36 @@ def is_shard(name: str) -> bool:
 
 # --- the records Islands writes into a run and reads back: typed, versioned, validated on read ----------------------
 
+def where(loc: tuple) -> str:
+    """A pydantic error's location as a key path: `shards[0].tar`."""
+    found = ""
+    for part in loc:
+        found += f"[{part}]" if isinstance(part, int) else (f".{part}" if found else str(part))
+    return found
+
+
+def one_line(err: ValidationError, path) -> str:
+    """The first thing wrong with a record: `path: key: what` (every record's error, whichever model read it)."""
+    first = err.errors()[0]
+    message = first["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ").splitlines()[0]
+    key = where(first["loc"])
+    return f"{path}: {key}: {message}" if key else f"{path}: {message}"
+
+
 class Record(BaseModel):
-    """A JSON file Islands writes and reads back. `version` says which layout wrote it (files without one are 1)."""
+    """A JSON file Islands writes and reads back. `version` says which layout wrote it (files without one are 1); a
+    layout newer than this Islands reads (`VERSION`) is refused by name, not half read."""
 
     model_config = ConfigDict(extra="forbid")
+    VERSION: ClassVar[int] = 1
     version: int = 1
+
+    @field_validator("version")
+    @classmethod
+    def _known(cls, version: int) -> int:
+        if not 1 <= version <= cls.VERSION:
+            raise ValueError(f"{version} is not a version this Islands reads (1 to {cls.VERSION})")
+        return version
 
     @classmethod
     def read(cls, path: Path, why: str = ""):
@@ -171,12 +196,10 @@ class Record(BaseModel):
         try:
             return cls.model_validate_json(data)
         except ValidationError as err:
-            first = err.errors()[0]
-            key = ".".join(str(part) for part in first["loc"]) or "its content"
-            raise CheckpointError(f"{path}: {key}: {first['msg']}{why}") from None
+            raise CheckpointError(f"{one_line(err, path)}{why}") from None
 
     def write(self, path: Path) -> Path:
-        return atomic_write_text(path, self.model_dump_json(indent=1))
+        return atomic_write_text(path, self.model_dump_json(indent=1, by_alias=True))
 
 
 class RunDescription(Record):
@@ -206,6 +229,31 @@ class CheckpointState(Record):
 
     progress: dict[str, int]
     files: dict[str, FileRecord]
+
+
+class LogLine(Record):
+    """One line of RUN/metrics.jsonl or RUN/eval.jsonl (train/logbook.py): the images trained when it was written,
+    and whatever was logged then (`values`: a loss, a rate, an evaluation, each under its own name)."""
+
+    model_config = ConfigDict(extra="allow")
+    images: int = Field(ge=0)
+    images_per_s: float | None = None  # metrics.jsonl's, where the line closes a window of training
+
+    @property
+    def values(self) -> dict:
+        """Every value of the line by its name, `images` among them."""
+        return {key: value for key, value in self.model_dump(exclude_unset=True).items() if key != "version"}
+
+
+def read_log(run_dir: Path, name: str = "metrics") -> list[LogLine]:
+    """RUN/<name>.jsonl as its lines, each checked; a line that is not a log line is refused in one line naming the
+    file and the line's number."""
+    path = Path(run_dir) / f"{name}.jsonl"
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
+    return [LogLine.parse(line, f"{path}, line {n}") for n, line in enumerate(text.splitlines(), 1) if line.strip()]
 
 
 def read_state(ckpt: Path) -> CheckpointState:

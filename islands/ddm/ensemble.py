@@ -23,7 +23,15 @@ from islands.data.clusters import PartitionRecord
 from islands.data.latents import recorded_sha256
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT, ROUTER_WEIGHTS, ConditionRouter, condition_prior
 from islands.ddm.mixture import DEFAULT_ROUTING, ExpertSlot, Mixture, PriorRouter, parse_routing
-from islands.ddm.records import VERSION, ConditionRouterRecord, EnsembleManifest, MemberRecord, Priors
+from islands.ddm.records import (
+    VERSION,
+    ConditionRouterRecord,
+    ConditionRouterReport,
+    ConditionRouterSizes,
+    EnsembleManifest,
+    MemberRecord,
+    Priors,
+)
 from islands.ddm.runs import ensemble_dir, expert_dir, expert_runs, partition_dir, router_dir
 from islands.ddm.time_gate import TimeGate
 from islands.errors import CheckpointError, DataError, IslandsWarning
@@ -90,10 +98,10 @@ def write_manifest(cfg: Config) -> dict:
         manifest["t_ranges"] = cfg.ddm.t_ranges
     weights = root / ROUTER_FOLDER / ROUTER_WEIGHTS
     if weights.exists():  # p(cluster | text), which ancestral routing draws a prompt's expert from
-        sizes = json.loads((root / ROUTER_FOLDER / ROUTER_REPORT).read_text())
+        report = ConditionRouterReport.parse((root / ROUTER_FOLDER / ROUTER_REPORT).read_bytes(),
+                                             root / ROUTER_FOLDER / ROUTER_REPORT)
         manifest["condition_router"] = {"name": "condition router", "weights": str(weights.relative_to(root)),
-                                        "sha256": file_sha256(weights),
-                                        **{k: sizes[k] for k in ("width", "clusters", "hidden")}}
+                                        "sha256": file_sha256(weights), **report.sizes}
     if partition.sizes_by_class:  # p(cluster | class), for ancestral routing of class-conditional samples
         manifest["prior_by_class"] = [[c / sum(row) for c in row] if sum(row) else prior
                                       for row in partition.sizes_by_class]
@@ -219,11 +227,11 @@ def distillation_teacher(cfg: Config, device) -> Mixture:
     return load_ensemble(Path(cfg.data.partition).parent, routing, seed=cfg.seed, device=device)[0]
 
 
-def condition_router_of(spec: ConditionRouterRecord | dict, weights: dict, what: str) -> ConditionRouter:
+def condition_router_of(spec: ConditionRouterSizes | dict, weights: dict, what: str) -> ConditionRouter:
     """The condition router of `spec`'s sizes holding `weights`, its shapes compared before it is built: sizes from a
     manifest that its weights do not have are refused in one line, never allocated."""
     if isinstance(spec, dict):  # its sizes alone
-        spec = ConditionRouterRecord.model_validate({"weights": "", **spec})
+        spec = ConditionRouterSizes.read(spec, what)
     width, clusters, hidden = spec.width, spec.clusters, spec.hidden
     wanted = {"net.0.weight": (hidden, width), "net.0.bias": (hidden,), "net.2.weight": (clusters, hidden),
               "net.2.bias": (clusters,)}

@@ -6,7 +6,6 @@ never train on other settings than the ensemble was built from. Its output goes 
 the parent shows one progress bar over the images of the members it waits for.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from islands.errors import MemberFailed
+from islands.rundir import LogLine
 
 CONFIG = "config.yaml"  # the ensemble's resolved config, in the ensemble folder
 
@@ -39,8 +39,8 @@ def images_done(run_dir: Path) -> int:
     """Training images a member has consumed, from the last line of its metrics log (0 before the first)."""
     try:
         lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-        return int(json.loads(lines[-1])["images"]) if lines else 0
-    except (OSError, ValueError, KeyError):  # not started yet, or a line being written
+        return LogLine.model_validate_json(lines[-1]).images if lines else 0
+    except (OSError, ValueError):  # not started yet, or a line being written (a ValidationError is a ValueError)
         return 0
 
 

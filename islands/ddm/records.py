@@ -17,10 +17,12 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
 from islands.errors import CheckpointError
+from islands.rundir import one_line
 
 VERSION = 1
 PRIOR_TOLERANCE = 1e-6  # a prior's shares, written as sizes / their sum, sum to 1 within rounding
@@ -80,25 +82,18 @@ def check_priors(record, k: int, classes: int) -> None:
                 raise ValueError(f"prior_by_class[{c}]: {err}") from None
 
 
-def _where(loc: tuple) -> str:
-    where = ""
-    for part in loc:
-        where += f"[{part}]" if isinstance(part, int) else (f".{part}" if where else str(part))
-    return where
-
-
-def _one_line(err: ValidationError, path) -> str:
-    first = err.errors()[0]
-    message = first["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ").splitlines()[0]
-    where = _where(first["loc"])
-    return f"{path}: {where}: {message}" if where else f"{path}: {message}"
-
-
 class Record(BaseModel):
     """What every record shares: keys it does not name are kept (written back as they came), and it is written as
     the JSON it was read from, less nothing and plus its version."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    @field_validator("version", check_fields=False)
+    @classmethod
+    def _known(cls, version):
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= VERSION:
+            raise ValueError(f"{version!r} is not a version this Islands reads (1 to {VERSION})")
+        return version
 
     @classmethod
     def read(cls, data, path, **context):
@@ -106,7 +101,15 @@ class Record(BaseModel):
         try:
             return cls.model_validate(data, context=context)
         except ValidationError as err:
-            raise CheckpointError(_one_line(err, path)) from None
+            raise CheckpointError(one_line(err, path)) from None
+
+    @classmethod
+    def parse(cls, data: bytes, path, **context):
+        """The record in `data`, the bytes of `path`, or one line naming the file and the key."""
+        try:
+            return cls.model_validate_json(data, context=context)
+        except ValidationError as err:
+            raise CheckpointError(one_line(err, path)) from None
 
     def dump(self) -> dict:
         return self.model_dump(mode="json", exclude_unset=True, by_alias=True)
@@ -200,12 +203,10 @@ class MemberRecord(Record):
         return network_with_weights(spec, weights, device)
 
 
-class ConditionRouterRecord(Record):
-    """p(cluster | text): its weights and its sizes."""
+class ConditionRouterSizes(Record):
+    """What a condition router p(cluster | text) is built at: the pooled caption's width, the clusters, its hidden
+    width."""
 
-    name: str = "condition router"
-    weights: str
-    sha256: str | None = None
     width: Positive
     clusters: Positive
     hidden: Positive
@@ -224,6 +225,33 @@ class ConditionRouterRecord(Record):
     def check_clusters(self, k: int) -> None:
         if self.clusters != k:
             raise ValueError(f"condition_router.clusters: {self.clusters} but the ensemble has {k} clusters")
+
+
+class ConditionRouterRecord(ConditionRouterSizes):
+    """p(cluster | text) in an ensemble's manifest: its weights and its sizes."""
+
+    name: str = "condition router"
+    weights: str
+    sha256: str | None = None
+
+
+class Calibration(BaseModel):
+    """A condition router measured on held-out examples (ddm/condition_router.py's `fit_condition_router`): its
+    numbers by name (accuracy, log-loss, ECE, ...), and each cluster's predicted and held-out share (an imported
+    router has none)."""
+
+    model_config = ConfigDict(extra="allow")
+    shares_predicted: list[float] | None = None
+    shares_empirical: list[float] | None = None
+
+
+class ConditionRouterReport(ConditionRouterSizes):
+    """ENSEMBLE/condition_router/condition_router.json (ddm/condition_router.py): the router's sizes and its held-out
+    calibration (the report page's table)."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = VERSION
+    calibration: Calibration = Calibration()
 
 
 class Priors(BaseModel):

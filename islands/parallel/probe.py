@@ -24,16 +24,16 @@ own work on the host (FSDP2's hooks, the copies in and out of its flat buffers, 
 """
 
 import functools
-import json
 import math
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import torch.distributed as dist
-from pydantic import TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -44,6 +44,7 @@ from islands.parallel.build import strategy_class
 from islands.parallel.launch import World, close_world, init_world
 from islands.parallel.layout import Layout
 from islands.parallel.ledger import Ledger, bytes_sent
+from islands.rundir import Record
 
 SIZES = (1, 2**20)  # floats each rank holds: one call's cost, then 4 MiB
 REPEATS = 30
@@ -76,11 +77,51 @@ def booked(kind: str, numel: int, world: int) -> int:
     return bytes_sent(kind, 4 * numel * (1 if kind == "all_reduce" else world), world)
 
 
-def fitted(kind: str, world: int) -> dict:
+class NetworkDescription(Record):
+    """NETWORK.json: the network whose step a probe times (plan/this_machine.py writes it): its model config, an
+    example's shape, its classes and a rank's batch."""
+
+    model: ModelConfig
+    shape: list[Annotated[int, Field(ge=1)]] = Field(min_length=1, max_length=4)
+    classes: int = Field(ge=0)
+    batch: int = Field(ge=1)
+
+
+class Collective(BaseModel):
+    """One collective timed alone: a one-value call's seconds, a 4 MiB call's, and the bandwidth of the bytes beyond."""
+
+    model_config = ConfigDict(extra="forbid")
+    call_s: float
+    large_s: float
+    gbit_s: float
+
+
+class LinkProbe(Record):
+    """OUT.json of the probe under torchrun (rank 0's): each collective alone, and what DDP's all-reduce is beside a
+    step's compute (see above)."""
+
+    ranks: int = Field(ge=1)
+    collectives: dict[str, Collective]
+    seconds_added_by_ddp: float
+    wait_s_a_step: float
+    call_s_beside_compute: float
+    copy_gbit_s: float
+    latency_us: float
+    gbit_s: float
+    gbit_s_under_ddp: float
+
+
+class HostProbe(Record):
+    """OUT.json of `--host`: the seconds each strategy's layout adds to a step on the host."""
+
+    host_s: dict[str, float]
+
+
+def fitted(kind: str, world: int) -> Collective:
     """One call's seconds (the one-float call) and the bandwidth of the ledger's bytes beyond it, alone."""
     (small, t_small), (large, t_large) = ((n, median_seconds(kind, n, world)) for n in SIZES)
     sent = booked(kind, large, world) - booked(kind, small, world)
-    return {"call_s": t_small, "large_s": t_large, "gbit_s": 8 * sent / max(t_large - t_small, 1e-9) / 1e9}
+    return Collective(call_s=t_small, large_s=t_large, gbit_s=8 * sent / max(t_large - t_small, 1e-9) / 1e9)
 
 
 def linear_layer(width: int = 1024) -> tuple[nn.Module, tuple]:
@@ -89,12 +130,10 @@ def linear_layer(width: int = 1024) -> tuple[nn.Module, tuple]:
 
 def described_network(path: str) -> tuple[nn.Module, tuple]:
     """The network and a batch of random inputs that NETWORK.json describes."""
-    spec = json.loads(Path(path).read_text())
-    model = TypeAdapter(ModelConfig).validate_python(spec["model"])
-    net = build_network(network_spec(model, spec["shape"], spec["classes"]))
-    batch = spec["batch"]
-    labels = torch.randint(0, spec["classes"], (batch,)) if spec["classes"] else None
-    return net, (torch.randn(batch, *spec["shape"]), torch.rand(batch), labels)
+    spec = NetworkDescription.read(Path(path))
+    net = build_network(network_spec(spec.model, spec.shape, spec.classes))
+    labels = torch.randint(0, spec.classes, (spec.batch,)) if spec.classes else None
+    return net, (torch.randn(spec.batch, *spec.shape), torch.rand(spec.batch), labels)
 
 
 def added_by_ddp(build, repeats: int = 40) -> tuple[float, int]:
@@ -173,15 +212,13 @@ def main(out: str, network: str | None = None) -> None:
     first, further = added_by_syncs(build)
     copied = copy_gbit_s()
     if world.is_main:
-        t_small = alone["all_reduce"]["call_s"]
+        t_small = alone["all_reduce"].call_s
         waits = max(0.0, first - t_small)  # for the slowest rank, once a step: DDP's bucket waits so too
-        record = {"ranks": world.size, "collectives": alone, "seconds_added_by_ddp": added,
-                  "wait_s_a_step": waits, "call_s_beside_compute": further, "copy_gbit_s": copied,
-                  "latency_us": 1e6 * t_small / (2 * (world.size - 1)), "gbit_s": alone["all_reduce"]["gbit_s"],
-                  "gbit_s_under_ddp": 8 * bytes_sent("all_reduce", 4 * reduced, world.size) / max(
-                      added - t_small - waits, 1e-9) / 1e9}
-        with open(out, "w") as f:
-            json.dump(record, f, indent=1)
+        LinkProbe(ranks=world.size, collectives=alone, seconds_added_by_ddp=added, wait_s_a_step=waits,
+                  call_s_beside_compute=further, copy_gbit_s=copied, latency_us=1e6 * t_small / (2 * (world.size - 1)),
+                  gbit_s=alone["all_reduce"].gbit_s,
+                  gbit_s_under_ddp=8 * bytes_sent("all_reduce", 4 * reduced, world.size) / max(
+                      added - t_small - waits, 1e-9) / 1e9).write(Path(out))
     close_world()
 
 
@@ -221,7 +258,7 @@ def host(out: str, network: str, *strategies: str, repeats: int = 30) -> None:
     # one no step used before, as in a run (a layout given the one the layout before it used would find it cached)
     times = [[step(1 / (len(steps) * i + j + 2)) for j, step in enumerate(steps)] for i in range(repeats + 5)][5:]
     added = {name: statistics.median(t[j + 1] - t[0] for t in times) for j, name in enumerate(strategies)}
-    Path(out).write_text(json.dumps({"host_s": added}, indent=1))
+    HostProbe(host_s=added).write(Path(out))
     close_world()
 
 

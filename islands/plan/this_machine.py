@@ -15,7 +15,6 @@ nothing is fitted to the run being predicted:
   process per rank at once, each on a process group of its own.
 """
 
-import json
 import os
 import statistics
 import subprocess
@@ -28,10 +27,11 @@ import yaml
 from islands.config import to_dict, validate
 from islands.parallel.build import strategy_class
 from islands.parallel.launch import run_local_ranks
+from islands.parallel.probe import HostProbe, LinkProbe, NetworkDescription
 from islands.plan.network import Link, Measured, Network
 from islands.plan.predict import DENSE
+from islands.rundir import read_log
 from islands.train.flops import FlopsRecord
-from islands.train.logbook import read_metrics
 
 CALIBRATION_STEPS, WINDOW = 120, 10  # optimizer steps of each one-process run; steps per logged window
 # windows left out: the first ones, while the other processes may still be starting (a process alone runs faster),
@@ -39,14 +39,14 @@ CALIBRATION_STEPS, WINDOW = 120, 10  # optimizer steps of each one-process run; 
 SKIP_FIRST, SKIP_LAST = 4, 1
 
 
-def measured_host(network: dict, ranks: int, strategies: list[str], timeout_s: float = 300.0) -> dict[str, float]:
+def measured_host(network: NetworkDescription, ranks: int, strategies: list[str],
+                  timeout_s: float = 300.0) -> dict[str, float]:
     """Seconds each strategy's layout adds to a step on the host (probe.py --host), `ranks` such processes at once
     as the ranks of a run share the machine: the median of theirs."""
     if not strategies:
         return {}
     with tempfile.TemporaryDirectory() as tmp:
-        described = Path(tmp) / "network.json"
-        described.write_text(json.dumps(network))
+        described = network.write(Path(tmp) / "network.json")
         outs = [Path(tmp) / f"host{r}.json" for r in range(ranks)]
         procs = [subprocess.Popen([sys.executable, "-m", "islands.parallel.probe", "--host", str(out), str(described),
                                    *strategies], env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -59,35 +59,36 @@ def measured_host(network: dict, ranks: int, strategies: list[str], timeout_s: f
         finally:
             for proc in procs:
                 proc.kill()
-        added = [json.loads(out.read_text())["host_s"] for out in outs]
+        added = [HostProbe.read(out).host_s for out in outs]
     return {name: statistics.median(a[name] for a in added) for name in strategies}
 
 
-def measured_collectives(link: dict) -> dict[str, Measured]:
+def measured_collectives(link: LinkProbe) -> dict[str, Measured]:
     """Each collective as the probe measured it alone, beside the compute: a call waits as much longer as a
     further one-value all-reduce did between the units' forwards (for a core for its gloo thread), and its
     bandwidth is slowed as DDP's all-reduce was (the same share of the cores goes to the compute whichever
     collective runs beside it)."""
-    alone = link["collectives"]
-    waits = max(0.0, link["call_s_beside_compute"] - alone["all_reduce"]["call_s"])
-    slowed = link["gbit_s_under_ddp"] / alone["all_reduce"]["gbit_s"]
-    return {kind: Measured(ranks=link["ranks"], call_us=1e6 * (a["call_s"] + waits), gbit_s=a["gbit_s"] * slowed)
+    alone = link.collectives
+    waits = max(0.0, link.call_s_beside_compute - alone["all_reduce"].call_s)
+    slowed = link.gbit_s_under_ddp / alone["all_reduce"].gbit_s
+    return {kind: Measured(ranks=link.ranks, call_us=1e6 * (a.call_s + waits), gbit_s=a.gbit_s * slowed)
             for kind, a in alone.items()}
 
 
-def measured_link(ranks: int, network: dict | None = None, timeout_s: float = 120.0) -> dict:
+def measured_link(ranks: int, network: NetworkDescription | None = None, timeout_s: float = 120.0) -> LinkProbe:
     """Latency (us) and bandwidth (Gbit/s) of gloo's all-reduce between `ranks` local processes, alone and inside
     a DDP step of the `network` described (probe.py's NETWORK.json). The ranks are started as torchrun starts them
     (RANK, WORLD_SIZE, MASTER_ADDR/PORT) but without its agent, whose own start took a third of a plan's time."""
     with tempfile.TemporaryDirectory() as tmp:
         out, described = Path(tmp) / "probe.json", Path(tmp) / "network.json"
-        described.write_text(json.dumps(network))
+        if network is not None:
+            network.write(described)
         done = run_local_ranks([sys.executable, "-m", "islands.parallel.probe", str(out),
                                 *([str(described)] if network else [])], ranks, timeout_s)
         failed = next((rank.stderr for rank in done if rank.returncode != 0), None)
         if failed is not None:
             raise RuntimeError(f"the all-reduce probe failed: {failed.strip().splitlines()[-1:]}")
-        return json.loads(out.read_text())
+        return LinkProbe.read(out)
 
 
 def measured_rate(cfg, ranks: int, timeout_s: float = 900.0) -> float:
@@ -115,17 +116,17 @@ def measured_rate(cfg, ranks: int, timeout_s: float = 900.0) -> float:
             _, err = proc.communicate(timeout=timeout_s)
             if proc.returncode != 0:
                 raise RuntimeError(f"the calibration run failed: {err.strip().splitlines()[-1:]}")
-        windows = [r["images_per_s"] for run in runs for r in read_metrics(run)[SKIP_FIRST:-SKIP_LAST]]
+        windows = [line.images_per_s for run in runs for line in read_log(run)[SKIP_FIRST:-SKIP_LAST]]
         per_image = FlopsRecord.read(runs[0] / FlopsRecord.FILE).flops_per_image
     return per_image * statistics.median(windows)
 
 
 def this_machine(cfg, shape: tuple, classes: int, ranks: int = 2) -> Network:
-    network = {"model": cfg.model.model_dump(), "shape": list(shape), "classes": classes,
-               "batch": max(1, cfg.train.batch_size // ranks)}
+    network = NetworkDescription(model=cfg.model, shape=list(shape), classes=classes,
+                                 batch=max(1, cfg.train.batch_size // ranks))
     link = measured_link(ranks, network)
     host = measured_host(network, ranks, [name for name in DENSE if strategy_class(name).costs.host_overhead])
     return Network(name="this-machine", gpus_per_node=ranks, gpu_tflops=measured_rate(cfg, ranks) / 1e12, mfu=1.0,
-                   overlap=0.0, node=Link(gbit_s=link["gbit_s_under_ddp"], latency_us=link["latency_us"]),
-                   collectives=measured_collectives(link), host_s=host, wait_s=link["wait_s_a_step"],
-                   copy_gbit_s=link["copy_gbit_s"])
+                   overlap=0.0, node=Link(gbit_s=link.gbit_s_under_ddp, latency_us=link.latency_us),
+                   collectives=measured_collectives(link), host_s=host, wait_s=link.wait_s_a_step,
+                   copy_gbit_s=link.copy_gbit_s)
