@@ -4,7 +4,6 @@ Every error is a `ConfigError` whose one-line message names the offending key or
 line turns it into exit status 2.
 """
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -190,11 +189,11 @@ def captioned(data) -> bool:
             return False  # refused, by name, where the run opens it
     if data.source != "shards":
         return False
-    from islands.data.storage import join, location, read_bytes
+    from islands.data.shards import read_manifest
 
     try:
-        return "txt" in json.loads(read_bytes(join(location(data.path), "manifest.json"))).get("members", [])
-    except (OSError, ValueError, AttributeError):
+        return "txt" in read_manifest(data.path).members
+    except (OSError, ValueError):  # a DataError too
         return False  # a folder that cannot be read is refused, by name, where the run opens it
 
 

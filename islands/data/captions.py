@@ -22,7 +22,7 @@ from tqdm import tqdm
 from islands.data.conditions import WithCaptionEmbeddings
 from islands.data.encode import npy_bytes
 from islands.data.fingerprint import cache_dir
-from islands.data.shards import CAPTION_MEMBER, ExampleWriter
+from islands.data.shards import CAPTION_MEMBER, CaptionEmbeddings, ExampleWriter
 from islands.data.sources import Source
 from islands.errors import DataError
 from islands.nets.condition import pack_text
@@ -108,22 +108,22 @@ def condition_on_captions(cfg, run_dir: Path, source: Source, device="cpu", prog
                                  encoder.sha256)
 
 
-def _check_stored(cfg, run_dir: Path, stored: dict) -> str:
+def _check_stored(cfg, run_dir: Path, stored: CaptionEmbeddings) -> str:
     """The sha256 of the encoder that made stored caption embeddings, refused unless they are what this run's
     network reads: its encoder (the bundled one's pinned weights, the run's record), its token count and widths."""
     model, name = cfg.model, cfg.data.text_encoder
     expected = MINILM_SHA256 if name == "minilm" else recorded_text_encoder(run_dir)
     if latest_checkpoint(run_dir) is None and name != "minilm":
         expected = None  # a folder's weights are bound once the run has trained on them
-    found = (stored["tokens"], stored["width"], stored["pooled_width"])
+    found = (stored.tokens, stored.width, stored.pooled_width)
     if found != (model.text_tokens, model.text_width, model.text_pooled_width):
         raise DataError(f"data.path: {cfg.data.path} holds caption embeddings of {found[0]} tokens, {found[1]} and "
                         f"{found[2]} wide; model.text_tokens is {model.text_tokens}, the encoder's widths "
                         f"{model.text_width} and {model.text_pooled_width}")
-    if expected is not None and stored["sha256"] != expected:
+    if expected is not None and stored.sha256 != expected:
         raise DataError(f"data.text_encoder: the caption embeddings in {cfg.data.path} were encoded by other weights "
-                        f"(sha256 {stored['sha256'][:12]}..., expected {expected[:12]}...)")
-    return stored["sha256"]
+                        f"(sha256 {stored.sha256[:12]}..., expected {expected[:12]}...)")
+    return stored.sha256
 
 
 def record_text_encoder(cfg, run_dir: Path, source: Source) -> None:

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from islands.data import streams
 from islands.data.batch import Batch
-from islands.data.shards import read_manifest
+from islands.data.shards import LatentsSection, read_manifest
 from islands.data.sources import Source, View, X
 from islands.data.space import PIXELS, DataSpace
 from islands.errors import DataError
@@ -142,11 +142,12 @@ class DecodedMeans(View):
         return got
 
 
-def stored_latents(cfg) -> dict | None:
-    """The manifest's `latents` entry where the run reads shards that `islands encode` wrote, else None."""
+def stored_latents(cfg) -> LatentsSection | None:
+    """The manifest's `latents` section where the run reads shards that `islands encode` wrote, else None. data.path
+    goes to the manifest's reader as written: a URL stays one (a `Path` would fold its `s3://` into `s3:/`)."""
     if cfg.data.source != "shards":
         return None
-    return read_manifest(Path(cfg.data.path)).get("latents")
+    return read_manifest(cfg.data.path).latents
 
 
 def recorded_sha256(run_dir: Path) -> str | None:
@@ -170,16 +171,16 @@ def open_data_space(cfg, run_dir: Path, device="cpu", starting: bool = False, sh
     autoencoder = load_autoencoder(folder, sha256=recorded, device=device)
     if stored is None:
         return LatentStage(autoencoder=autoencoder, seed=cfg.seed, device=device)
-    if autoencoder.sha256 != stored["autoencoder_sha256"]:
+    if autoencoder.sha256 != stored.autoencoder_sha256:
         raise DataError(f"data.autoencoder: {folder} is not the autoencoder the latents in {cfg.data.path} were "
                         f"encoded with (sha256 {autoencoder.sha256[:12]}..., the manifest says "
-                        f"{stored['autoencoder_sha256'][:12]}...)")
-    if cfg.data.flip and not stored["flipped"]:
+                        f"{stored.autoencoder_sha256[:12]}...)")
+    if cfg.data.flip and not stored.flipped:
         raise DataError(f"data.flip: the latents in {cfg.data.path} were encoded without their flips; encode them "
                         "again from data with flip: true")
-    return StoredLatents(autoencoder=autoencoder, seed=cfg.seed, device=device, pairs=1 + stored["flipped"],
-                         image_shape=tuple(stored["image_shape"]),
-                         flip=stored["flipped"] if cfg.data.flip is None else cfg.data.flip)
+    return StoredLatents(autoencoder=autoencoder, seed=cfg.seed, device=device, pairs=1 + stored.flipped,
+                         image_shape=tuple(stored.image_shape),
+                         flip=stored.flipped if cfg.data.flip is None else cfg.data.flip)
 
 
 def record_data_space(cfg, run_dir: Path, space: DataSpace) -> None:

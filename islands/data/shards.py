@@ -37,7 +37,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -50,7 +50,11 @@ from islands.data.fingerprint import cache_dir
 from islands.data.sources import CAPTION, CAPTION_EMBEDDING, LABEL, Source, X
 from islands.data.sources import _to_unit as to_unit
 from islands.errors import DataError, IslandsWarning
+from islands.rundir import Record, one_line
 from islands.untrusted import file_sha256, inside
+
+if TYPE_CHECKING:
+    from islands.data import tar_index
 
 MANIFEST = "manifest.json"
 FORMAT = "islands-shards/2"  # /2: each member's sha256 beside the index, checked at every read
@@ -205,15 +209,16 @@ def write_shards(source: Source, out: Path, shard_size: int, made_from: dict, ra
     stage = storage.Staging(out, rank, barrier)
     try:
         writer = writer or ExampleWriter(source)
-        part = f".rank-{rank}.json"
-        (stage.local / part).write_text(json.dumps(write_part(source, stage.local, shard_size, rank, ranks, progress,
-                                                              writer, stage.publish)))
-        stage.publish(part)
+        part = RankShards(shards=write_part(source, stage.local, shard_size, rank, ranks, progress, writer,
+                                            stage.publish))
+        part.write(stage.local / RankShards.file(rank))
+        stage.publish(RankShards.file(rank))
         barrier()  # every rank's shards are written
         if rank != 0:
             return None
-        parts = [f".rank-{r}.json" for r in range(ranks)]
-        shards = [entry for name in parts for entry in json.loads(stage.fetch(name).read_text())]
+        parts = [RankShards.file(r) for r in range(ranks)]
+        shards = [entry.model_dump(exclude_unset=True) for name in parts
+                  for entry in RankShards.read(stage.fetch(name)).shards]
         stage.discard(*parts)
         manifest = write_manifest(stage.local, shards, source, shard_size, made_from, writer)
         stage.publish(MANIFEST)
@@ -267,40 +272,44 @@ class ShardSource(Source):
                 cls = IndexedTars
         return super().__new__(cls)
 
+    @property
+    def manifest(self) -> dict:
+        """The manifest as the JSON it was read from, for a person to look at (`record` is it typed: what is read)."""
+        return self.record.model_dump(mode="json", exclude_unset=True)
+
     def __init__(self, path, resolution=None, channels=None, background=None, on_error="stop", cache=None,
                  cache_bytes=None):
         self.root = storage.location(path)
-        self.manifest = _own_manifest(self.root)
-        m = self.manifest
-        self.shape, self.num_classes, self.flip = tuple(m["shape"]), m["num_classes"], m["flip"]
+        self.record = m = _own_manifest(self.root)
+        self.shape, self.num_classes, self.flip = tuple(m.shape), m.num_classes, m.flip
         if resolution is not None and tuple(self.shape[1:]) != (resolution, resolution) or \
                 channels is not None and self.shape[0] != channels:
             raise DataError(f"shard folder {self.root} holds examples of shape {self.shape} as 'islands shard' wrote "
                             "them: leave data.resolution and data.channels out (only indexed tars are resized)")
-        self.member, self.quantised = m["x"], m["x"] == "png"
+        self.member, self.quantised = m.x, m.x == "png"
         # the columns of the index read: the example's arrays (one, or a latent's mean and log-variance, of the image
         # and of its flip: stacked along the channels, as `islands encode` wrote them), then its class's
-        self.arrays = [i for i, member in enumerate(m["members"]) if member not in ("txt", "cls", CAPTION_MEMBER)]
+        self.arrays = [i for i, member in enumerate(m.members) if member not in ("txt", "cls", CAPTION_MEMBER)]
         # `islands encode --text-encoder`: each caption's packed embedding, a condition read apart from the example
-        self.stored_captions = m.get("caption_embeddings")
+        self.stored_captions = m.caption_embeddings
         self.holds = frozenset({X} | {field for field, there in ((LABEL, self.num_classes),
-                                                                  (CAPTION, "txt" in m["members"]),
+                                                                  (CAPTION, "txt" in m.members),
                                                                   (CAPTION_EMBEDDING, self.stored_captions)) if there})
         self.member_shape = (self.shape[0] // len(self.arrays), *self.shape[1:])
-        self.tars = [self._file_named(s["tar"]) for s in m["shards"]]
-        self.index_files = [self._file_named(s["index"]) for s in m["shards"]]
-        self.checked_per_member = m["format"] == FORMAT
-        self.digest_files = [self._file_named(s["digests"]) for s in m["shards"]] if self.checked_per_member else []
+        self.tars = [self._file_named(s.tar) for s in m.shards]
+        self.index_files = [self._file_named(s.index) for s in m.shards]
+        self.checked_per_member = m.format == FORMAT
+        self.digest_files = [self._file_named(s.digests) for s in m.shards] if self.checked_per_member else []
         self._at(cache, cache_bytes)
         if self.remote:
             if not self.checked_per_member:
-                raise DataError(f"shard folder {self.root}: format {m['format']} (no member sha256) is read from a "
+                raise DataError(f"shard folder {self.root}: format {m.format} (no member sha256) is read from a "
                                 f"local disk only; {self.remedy}")
             found = storage.sizes(self.tars)
-            for tar, entry in zip(self.tars, m["shards"], strict=True):
-                _check_object_size(tar, found.get(tar), entry["bytes"])
+            for tar, entry in zip(self.tars, m.shards, strict=True):
+                _check_object_size(tar, found.get(tar), entry.bytes)
         else:
-            for tar, index, entry in zip(self.tars, self.index_files, m["shards"], strict=True):
+            for tar, index, entry in zip(self.tars, self.index_files, m.shards, strict=True):
                 _check_size(tar, index, entry)
         self._ready(on_error)
 
@@ -340,12 +349,12 @@ class ShardSource(Source):
         shard (`_index`), not at the start: a run's start reads the manifest alone, whatever the data's size."""
         if on_error not in ("stop", "skip"):
             raise ValueError(f"on_error must be 'stop' or 'skip', got {on_error!r}")
-        m = self.manifest
+        m = self.record
         self.on_error = on_error
-        self.columns = [*self.arrays, *([m["members"].index("cls")] if self.num_classes else [])]
+        self.columns = [*self.arrays, *([m.members.index("cls")] if self.num_classes else [])]
         # an example is bad when any of these fails: its arrays, its class, its caption
-        self.checked_columns = [*self.columns, *([m["members"].index("txt")] if self.captioned else [])]
-        self.starts = np.cumsum([0] + [s["examples"] for s in m["shards"]])
+        self.checked_columns = [*self.columns, *([m.members.index("txt")] if self.captioned else [])]
+        self.starts = np.cumsum([0] + [s.examples for s in m.shards])
         self._indices, self._files, self._pid, self._warned = {}, OrderedDict(), os.getpid(), 0
         self._held, self._ends, self._now = OrderedDict(), {}, 0
         self._skipped = torch.zeros(SKIP_SLOTS, dtype=torch.int64).share_memory_() if on_error == "skip" else None
@@ -420,7 +429,7 @@ class ShardSource(Source):
         if X in fields or LABEL in fields and self.num_classes:
             got.update(self._examples(idx))
         if CAPTION in fields and self.captioned:
-            column = self.manifest["members"].index("txt")
+            column = self.record.members.index("txt")
             got[CAPTION] = [self._good(int(i), lambda s, r: self._caption(s, r, column)) for i in idx]
         if CAPTION_EMBEDDING in fields and self.stored_captions is not None:
             got[CAPTION_EMBEDDING] = self._caption_embeddings(idx)
@@ -460,8 +469,8 @@ class ShardSource(Source):
 
     def _caption_embeddings(self, idx: np.ndarray) -> torch.Tensor:
         """The examples' caption embeddings as `islands encode --text-encoder` stored them (packed, float32)."""
-        column = self.manifest["members"].index(CAPTION_MEMBER)
-        shape = tuple(self.stored_captions["shape"])
+        column = self.record.members.index(CAPTION_MEMBER)
+        shape = tuple(self.stored_captions.shape)
         arrays = [self._good(int(i), lambda s, r: self._caption_embedding(s, r, column, shape)) for i in idx]
         return torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros((0, *shape))
 
@@ -566,7 +575,7 @@ class ShardSource(Source):
         return blob
 
     def _changed(self, shard: int, row: int, column: int) -> str:
-        return (f"shard {self.tars[shard]} changed since it was written: the {self.manifest['members'][column]} of "
+        return (f"shard {self.tars[shard]} changed since it was written: the {self.record.members[column]} of "
                 f"{self._example(shard, row)} is not the bytes {storage.name_of(self.digest_files[shard])} records; "
                 f"{self.remedy}")
 
@@ -603,17 +612,17 @@ class ShardSource(Source):
     def _check_listed(self, shard: int) -> None:
         """The shard's index and member sha256 file are the ones the manifest lists (streamed through sha256, never
         held whole) and of the shape it gives."""
-        entry, members = self.manifest["shards"][shard], len(self.manifest["members"])
-        index = self._mapped(self.index_files[shard], entry["index_sha256"])
-        _check_listed_file(index, entry["index_sha256"], "shard index", self.remedy, self.index_files[shard])
-        _check_array(index, (entry["examples"], members, 2), np.int64, "shard index",
-                     f"does not index the {entry['examples']} examples the manifest gives {entry['tar']}")
+        entry, members = self.record.shards[shard], len(self.record.members)
+        index = self._mapped(self.index_files[shard], entry.index_sha256)
+        _check_listed_file(index, entry.index_sha256, "shard index", self.remedy, self.index_files[shard])
+        _check_array(index, (entry.examples, members, 2), np.int64, "shard index",
+                     f"does not index the {entry.examples} examples the manifest gives {entry.tar}")
         if self.checked_per_member:
-            path = self._mapped(self.digest_files[shard], entry["digests_sha256"])
-            _check_listed_file(path, entry["digests_sha256"], "shard sha256 file", self.remedy,
+            path = self._mapped(self.digest_files[shard], entry.digests_sha256)
+            _check_listed_file(path, entry.digests_sha256, "shard sha256 file", self.remedy,
                                self.digest_files[shard])
-            _check_array(path, (entry["examples"], members, 32), np.uint8, "shard sha256 file",
-                         f"does not hold a sha256 of each member of the {entry['examples']} examples of {entry['tar']}")
+            _check_array(path, (entry.examples, members, 32), np.uint8, "shard sha256 file",
+                         f"does not hold a sha256 of each member of the {entry.examples} examples of {entry.tar}")
 
     def _mapped(self, listed, sha256: str) -> Path:
         """The local file a listed index or sha256 file is mapped from: itself, or for a folder at a URL its copy."""
@@ -623,8 +632,8 @@ class ShardSource(Source):
         """A URL's tar, whole, from data.cache (downloaded there first where it is not)."""
         if self.cache is None:
             raise DataError(f"shard {self.tars[shard]}: a URL has no descriptor (no data.cache)")
-        entry = self.manifest["shards"][shard]
-        return self.cache.open(self.tars[shard], entry["bytes"], entry.get("sha256"), entry.get("mtime_ns"))
+        entry = self.record.shards[shard]
+        return self.cache.open(self.tars[shard], entry.bytes, entry.sha256, entry.mtime_ns)
 
     def _index(self, shard: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The shard's index and member sha256 (None for format /1), memory-mapped in this process, checked against
@@ -633,10 +642,10 @@ class ShardSource(Source):
             self._forked()
         if shard not in self._indices:
             self._check_listed(shard)
-            entry = self.manifest["shards"][shard]
-            digests = np.load(self._mapped(self.digest_files[shard], entry["digests_sha256"]), mmap_mode="r") \
+            entry = self.record.shards[shard]
+            digests = np.load(self._mapped(self.digest_files[shard], entry.digests_sha256), mmap_mode="r") \
                 if self.checked_per_member else None
-            self._indices[shard] = np.load(self._mapped(self.index_files[shard], entry["index_sha256"]),
+            self._indices[shard] = np.load(self._mapped(self.index_files[shard], entry.index_sha256),
                                            mmap_mode="r"), digests
             self._check_offsets(shard)
         return self._indices[shard]
@@ -644,17 +653,17 @@ class ShardSource(Source):
     def _check_row(self, shard: int, row: int, columns: list[int], where: np.ndarray) -> None:
         """The members read lie inside the tar: a negative offset or a size past the end would be an OSError or a
         read of terabytes."""
-        tar_bytes = self.manifest["shards"][shard]["bytes"]
+        tar_bytes = self.record.shards[shard].bytes
         for column, (at, size) in zip(columns, where.tolist(), strict=True):
             if at < 0 or size < 0 or at > tar_bytes or size > tar_bytes - at:
-                raise DataError(f"shard index {self.index_files[shard]}: the {self.manifest['members'][column]} of "
+                raise DataError(f"shard index {self.index_files[shard]}: the {self.record.members[column]} of "
                                 f"{self._example(shard, row)} is {size} bytes at byte {at}, outside the {tar_bytes} "
                                 f"bytes of {storage.name_of(self.tars[shard])}")
 
     def _check_offsets(self, shard: int) -> None:
         """Every member of the shard lies inside the tar (the whole index, memory-mapped, at once)."""
         index = self._indices[shard][0]
-        at, size, tar_bytes = index[..., 0], index[..., 1], self.manifest["shards"][shard]["bytes"]
+        at, size, tar_bytes = index[..., 0], index[..., 1], self.record.shards[shard].bytes
         outside = (at < 0) | (size < 0) | (at > tar_bytes) | (size > tar_bytes - at)
         if outside.any():
             row, column = (int(v) for v in np.argwhere(outside)[0])
@@ -692,23 +701,23 @@ class ShardSource(Source):
         for i in range(len(self.tars)):
             if self.checked_per_member:
                 continue
-            entry = self.manifest["shards"][i]
-            if file_sha256(self.tars[i]) != entry["sha256"]:
+            entry = self.record.shards[i]
+            if file_sha256(self.tars[i]) != entry.sha256:
                 raise DataError(f"shard {self.tars[i]} changed since it was written, or the manifest is another data "
                                 f"set's (its sha256 is not the one {self.root / MANIFEST} lists); {self.remedy}")
             if self.num_classes:
-                column = self.manifest["members"].index("cls")
-                for row in range(entry["examples"]):
+                column = self.record.members.index("cls")
+                for row in range(entry.examples):
                     self._class_of(self._member(i, row, column), i, row)
 
     def verify(self, progress: bool = False) -> list[str]:
         """The whole pass `islands verify` makes: every member of every example read, checked against its sha256 and
         decoded. -> a line for each bad example (empty: every example good)."""
-        columns = list(range(len(self.manifest["members"])))
+        columns = list(range(len(self.record.members)))
         bad = []
         with tqdm(total=len(self), disable=not progress, desc="verify", unit="ex") as bar:
             for shard in range(len(self.tars)):
-                for row in range(self.manifest["shards"][shard]["examples"]):
+                for row in range(self.record.shards[shard].examples):
                     try:
                         self._verify_example(shard, row, columns)
                     except BadMember as e:
@@ -720,7 +729,7 @@ class ShardSource(Source):
         self._members(shard, row, columns)
         self._read(shard, row)
         if self.captioned:
-            self._caption(shard, row, self.manifest["members"].index("txt"))
+            self._caption(shard, row, self.record.members.index("txt"))
 
 
 def shard_source_of(source: Source) -> "ShardSource | None":
@@ -740,13 +749,26 @@ def skipped_examples(source: Source) -> int | None:
     return None if shards is None else shards.skipped_examples
 
 
+class ManifestFormat(BaseModel):
+    """The one key of a manifest read before its model is chosen: which layout (`format`) it says it is."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    format: str
+
+
 def _format_of(root) -> str | None:
     """The `format` a folder's manifest names, None where there is none to read (refused later, by name)."""
     try:
-        m = json.loads(storage.read_bytes(_named(root, MANIFEST)))
-    except (OSError, UnicodeDecodeError, ValueError, DataError):
+        return _format_in(json.loads(storage.read_bytes(_named(root, MANIFEST))))
+    except (OSError, ValueError, DataError):
         return None
-    return m.get("format") if isinstance(m, dict) and isinstance(m.get("format"), str) else None
+
+
+def _format_in(raw) -> str | None:
+    try:
+        return ManifestFormat.model_validate(raw).format
+    except ValidationError:
+        return None
 
 
 def _named(root, name: str):
@@ -783,7 +805,7 @@ def _check_index(index: Path, entry: dict) -> None:
         found = file_sha256(index)
     except OSError as e:
         raise DataError(f"shard index {index}: cannot read: {e.strerror or e}") from None
-    if found != entry["index_sha256"]:
+    if found != entry.index_sha256:
         raise DataError(f"shard index {index} is not the one {index.parent / MANIFEST} lists: the manifest is "
                         "another data set's, or the shards were written over; write them again with 'islands shard'")
 
@@ -806,10 +828,10 @@ def _check_size(tar: Path, index: Path, entry: dict) -> None:
         raise DataError(f"shard {tar} is missing (the manifest lists it)") from None
     except OSError as e:
         raise DataError(f"shard {tar}: cannot read: {e.strerror or e}") from None
-    if size != entry["bytes"]:
+    if size != entry.bytes:
         _check_index(index, entry)
-        raise DataError(f"{'truncated' if size < entry['bytes'] else 'grown'} shard {tar}: {size} bytes, the "
-                        f"manifest says {entry['bytes']}")
+        raise DataError(f"{'truncated' if size < entry.bytes else 'grown'} shard {tar}: {size} bytes, the "
+                        f"manifest says {entry.bytes}")
 
 
 # --- the manifest, read as untrusted: a typed record ----------------------------------------------------------------
@@ -830,29 +852,59 @@ class ManifestRecord(BaseModel):
         try:
             return cls.model_validate(raw)
         except ValidationError as err:
-            first = err.errors()[0]
-            key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".")
-            raise DataError(f"{what} {path}: {key or 'its content'}: {first['msg']}") from None
+            raise DataError(f"{what} {one_line(err, path)}") from None
 
 
 class ShardEntry(ManifestRecord):
-    """One shard of `islands shard`: its tar, index and member sha256 file (format /2), their sizes and sha256."""
+    """One shard of `islands shard`: its tar, index and member sha256 file (format /2), their sizes and sha256 (in
+    the order the writer lists them, which a dump keeps)."""
 
     tar: str
     index: str
+    digests: str | None = None  # format /2's
     examples: Count
     bytes: Count
     sha256: str
     index_sha256: str
-    digests: str | None = None  # format /2's
     digests_sha256: str | None = None
+    mtime_ns: ClassVar[None] = None  # a shard is checked by its sha256; an indexed tar (TarEntry) by its mtime
 
 
-class CaptionEmbeddings(BaseModel):
-    """`islands encode --text-encoder`: what encoded the captions, and each embedding's shape."""
+class RankShards(Record):
+    """OUT/.rank-R.json while `islands shard` writes: the entries of the shards rank R wrote, which rank 0 lists in
+    the manifest (read back, and discarded, in the same command)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    shards: list[ShardEntry]
+
+    @staticmethod
+    def file(rank: int) -> str:
+        return f".rank-{rank}.json"
+
+
+class CaptionEmbeddings(ManifestRecord):
+    """`islands encode --text-encoder` (data/captions.py's CaptionWriter): what encoded the captions (its name and
+    its files' sha256), the tokens and widths they were packed at, and each embedding's shape."""
+
+    text_encoder: str
+    sha256: str
+    tokens: Size
+    width: Size
+    pooled_width: Size
     shape: Annotated[list[Size], Field(min_length=2, max_length=2)]
+    dtype: Literal["float32"] = "float32"
+
+
+class LatentsSection(ManifestRecord):
+    """`islands encode`'s latents (data/encode.py's LatentWriter): the autoencoder they were encoded with (its files'
+    sha256, its scale and shift), their shape and the images', whether the flips were encoded too."""
+
+    autoencoder_sha256: str
+    scaling_factor: float
+    shift_factor: float | None = None
+    latent_shape: Annotated[list[Size], Field(min_length=1, max_length=4)]
+    image_shape: Annotated[list[Size], Field(min_length=1, max_length=4)]
+    flipped: bool
+    dtype: Literal["float32"] = "float32"
 
 
 class ShardManifest(ManifestRecord):
@@ -869,7 +921,7 @@ class ShardManifest(ManifestRecord):
     shard_size: Size
     sha256: str
     made_from: dict | None = None
-    latents: dict | None = None  # islands encode's: the autoencoder and its scale (data/latents.py reads it)
+    latents: LatentsSection | None = None  # islands encode's: the autoencoder and its scale (data/latents.py reads it)
     caption_embeddings: CaptionEmbeddings | None = None
     shards: list[ShardEntry]
 
@@ -889,9 +941,9 @@ class ShardManifest(ManifestRecord):
         return self
 
 
-def read_manifest(root: Path) -> dict:
-    """The manifest of a shard folder, `islands shard`'s or `islands index`'s (data/tar_index.py), its structure and
-    numbers checked; one line on trouble."""
+def read_manifest(root: Path) -> "ShardManifest | tar_index.TarsManifest":
+    """The manifest of a shard folder (a local path or a URL), `islands shard`'s or `islands index`'s
+    (data/tar_index.py), its structure and numbers checked; one line on trouble."""
     root = storage.location(root)
     if _format_of(root) is not None:
         from islands.data.tar_index import TARS_FORMAT, read_tars_manifest
@@ -901,21 +953,21 @@ def read_manifest(root: Path) -> dict:
     return _own_manifest(root)
 
 
-def _own_manifest(root: Path) -> dict:
-    """The manifest `islands shard` wrote (a `ShardManifest`, as the JSON it came as), its structure and numbers
-    checked and its whole hash recomputed."""
+def _own_manifest(root: Path) -> ShardManifest:
+    """The manifest `islands shard` wrote, its structure and numbers checked and its whole hash recomputed."""
     if isinstance(root, Path) and not root.is_dir():
         raise DataError(f"shard folder {root} does not exist; write it with 'islands shard CONFIG {root}'")
     path = _named(root, MANIFEST)
     m = _manifest_json(path)
-    if isinstance(m, dict) and isinstance(m.get("format"), str) and m["format"] not in (FORMAT, UNCHECKED_FORMAT):
-        raise DataError(f"shard manifest {path}: format {m['format']!r}, this Islands reads {FORMAT!r} (and "
+    found = _format_in(m)
+    if found is not None and found not in (FORMAT, UNCHECKED_FORMAT):
+        raise DataError(f"shard manifest {path}: format {found!r}, this Islands reads {FORMAT!r} (and "
                         f"{UNCHECKED_FORMAT!r})")
-    ShardManifest.read(m, path)
+    m = ShardManifest.read(m, path)
     _check_members(m, path)
-    if whole_sha256(m["shards"]) != m["sha256"] or sum(s["examples"] for s in m["shards"]) != m["examples"]:
+    if whole_sha256([s.model_dump() for s in m.shards]) != m.sha256 or sum(s.examples for s in m.shards) != m.examples:
         raise DataError(f"shard manifest {path}: its shards do not add up to its sha256 and count (edited by hand?)")
-    names = [s[k] for s in m["shards"] for k in ("tar", "index", "digests") if k in s]
+    names = [name for s in m.shards for name in (s.tar, s.index, s.digests) if name is not None]
     if any(Path(name).name != name for name in names):
         raise DataError(f"shard manifest {path}: shard names must be file names inside {root}")
     return m
@@ -939,18 +991,18 @@ def _is(value, kind: type) -> bool:
     return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))  # JSON's true is no count
 
 
-def _check_members(m: dict, path: Path) -> None:
-    members = m["members"]
-    if not all(isinstance(name, str) for name in members) or len(set(members)) != len(members):
+def _check_members(m: ShardManifest, path: Path) -> None:
+    members = m.members
+    if len(set(members)) != len(members):
         raise DataError(f"shard manifest {path}: members {members} are not distinct names")
-    if m["x"] not in EXAMPLE_MEMBERS or m["x"] not in members:
-        raise DataError(f"shard manifest {path}: unknown example member {m['x']!r}")
-    if ("cls" in members) != (m["num_classes"] > 0):
-        raise DataError(f"shard manifest {path}: {m['num_classes']} classes, but 'cls' is "
+    if m.x not in members:
+        raise DataError(f"shard manifest {path}: unknown example member {m.x!r}")
+    if ("cls" in members) != (m.num_classes > 0):
+        raise DataError(f"shard manifest {path}: {m.num_classes} classes, but 'cls' is "
                         f"{'' if 'cls' in members else 'not '}a member")
-    if ("caption_embeddings" in m) != (CAPTION_MEMBER in members):
+    if (m.caption_embeddings is not None) != (CAPTION_MEMBER in members):
         raise DataError(f"shard manifest {path}: caption_embeddings and the member {CAPTION_MEMBER!r} go together")
     arrays = [name for name in members if name not in ("txt", "cls", CAPTION_MEMBER)]
-    if m["shape"][0] % len(arrays):
-        raise DataError(f"shard manifest {path}: shape {m['shape']} does not stack its {len(arrays)} arrays "
+    if m.shape[0] % len(arrays):
+        raise DataError(f"shard manifest {path}: shape {m.shape} does not stack its {len(arrays)} arrays "
                         f"({', '.join(arrays)}) along the channels")

@@ -40,11 +40,11 @@ import shutil
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import numpy as np
 from PIL import Image
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from tqdm import tqdm
 
 from islands.data import storage
@@ -64,6 +64,7 @@ from islands.data.shards import (
 )
 from islands.data.sources import CAPTION, LABEL, X, _check_resolution, fitted
 from islands.errors import DataError
+from islands.rundir import Record
 from islands.untrusted import file_sha256
 
 TARS_FORMAT = "islands-tars/1"
@@ -155,8 +156,8 @@ def index_tars(spec: str, out: Path, caption_key: str | None = None, class_key: 
                 stage.publish(*(f".raw-{i:06d}.{part}.npy" for part in ("idx", "sha256", "cls")),
                               f".raw-{i:06d}.lacking.json")
                 bar.update(1)
-        (partial / f".rank-{rank}.json").write_text(json.dumps(records))
-        stage.publish(f".rank-{rank}.json")
+        RankTars(tars=records).write(partial / RankTars.file(rank))
+        stage.publish(RankTars.file(rank))
         barrier()  # every rank's tars are indexed
         if rank != 0:
             return None
@@ -235,12 +236,12 @@ def _index_tar(tar, i: int, folder: Path, caption_key: str | None, class_key: st
     np.save(folder / f".raw-{i:06d}.cls.npy", np.asarray(classes, dtype=np.int64), allow_pickle=False)
     # which examples lack a caption or a class, and why: one entry per example of a set that has none at all, so it
     # waits in a file of its own, read only where the column is kept (a rank's records stay a few numbers per tar)
-    (folder / f".raw-{i:06d}.lacking.json").write_text(json.dumps(lacking))
+    Lacking(caption=lacking["caption"], class_=lacking["class"]).write(folder / Lacking.file(i))
     w = [s[0] for s in sides] or [0]
     h = [s[1] for s in sides] or [0]
-    return {"i": i, "tar": str(tar), "bytes": size, "mtime_ns": mtime_ns, "examples": len(rows),
-            "left_out": left_out, "lacking": {what: len(rows) for what, rows in lacking.items()},
-            "widths": [min(w), max(w)], "heights": [min(h), max(h)]}
+    return IndexedTar(i=i, tar=str(tar), bytes=size, mtime_ns=mtime_ns, examples=len(rows), left_out=left_out,
+                      lacking=LackingCounts(caption=len(lacking["caption"]), class_=len(lacking["class"])),
+                      widths=[min(w), max(w)], heights=[min(h), max(h)])
 
 
 def _parse(kind: str, data: bytes):
@@ -308,38 +309,38 @@ def _finish(stage: storage.Staging, ranks: int, spec: str, caption_key: str | No
     where a key was asked for), the examples lacking them left out, each tar's final index and sha256 file, the
     manifest (published last). Reads the raw indices, never the tars."""
     folder = stage.local
-    records = sorted((r for rank in range(ranks) for r in json.loads(stage.fetch(f".rank-{rank}.json").read_text())),
-                     key=lambda r: r["i"])
-    stage.discard(*(f".rank-{rank}.json" for rank in range(ranks)))
-    captioned = caption_key is not None or any(r["examples"] > r["lacking"]["caption"] for r in records)
-    classed = class_key is not None or any(r["examples"] > r["lacking"]["class"] for r in records)
+    records = sorted((r for rank in range(ranks) for r in RankTars.read(stage.fetch(RankTars.file(rank))).tars),
+                     key=lambda r: r.i)
+    stage.discard(*(RankTars.file(rank) for rank in range(ranks)))
+    captioned = caption_key is not None or any(r.examples > r.lacking.caption for r in records)
+    classed = class_key is not None or any(r.examples > r.lacking.class_ for r in records)
     members = ["image", *(["txt"] if captioned else []), *(["cls"] if classed else [])]
     columns = [0, *([1] if captioned else []), *([2] if classed else [])]
     shards, left_out, num_classes = [], [], 0
     for r in records:
-        i, raw = r["i"], [f".raw-{r['i']:06d}.{part}.npy" for part in ("idx", "sha256", "cls")]
+        i, raw = r.i, [f".raw-{r.i:06d}.{part}.npy" for part in ("idx", "sha256", "cls")]
         index, digests, classes = (np.load(stage.fetch(p), allow_pickle=False) for p in raw)
         keep = np.ones(len(index), dtype=bool)
-        left_out += r["left_out"]
-        lacks = f".raw-{i:06d}.lacking.json"
-        lacking = json.loads(stage.fetch(lacks).read_text()) \
-            if captioned and r["lacking"]["caption"] or classed and r["lacking"]["class"] else {}
+        left_out += [e.model_dump() for e in r.left_out]
+        lacks = Lacking.file(i)
+        lacking = Lacking.read(stage.fetch(lacks)) \
+            if captioned and r.lacking.caption or classed and r.lacking.class_ else Lacking()
         stage.discard(lacks)
-        for what, wanted in (("caption", captioned), ("class", classed)):
-            for row, key, why in lacking.get(what, []) if wanted else []:
+        for rows, wanted in ((lacking.caption, captioned), (lacking.class_, classed)):
+            for row, key, why in rows if wanted else []:
                 if keep[row]:
-                    left_out.append({"tar": r["tar"], "key": key, "why": why})
+                    left_out.append({"tar": r.tar, "key": key, "why": why})
                 keep[row] = False
         if classed and keep.any():
             num_classes = max(num_classes, int(classes[keep].max()) + 1)
         np.save(folder / index_name(i), np.ascontiguousarray(index[keep][:, columns]), allow_pickle=False)
         np.save(folder / digests_name(i), np.ascontiguousarray(digests[keep][:, columns]), allow_pickle=False)
         stage.discard(*raw)
-        shards.append({"tar": r["tar"], "index": index_name(i), "digests": digests_name(i),
-                       "examples": int(keep.sum()), "bytes": r["bytes"], "mtime_ns": r["mtime_ns"],
+        shards.append({"tar": r.tar, "index": index_name(i), "digests": digests_name(i),
+                       "examples": int(keep.sum()), "bytes": r.bytes, "mtime_ns": r.mtime_ns,
                        "index_sha256": file_sha256(folder / index_name(i)),
                        "digests_sha256": file_sha256(folder / digests_name(i)),
-                       "widths": r["widths"], "heights": r["heights"]})
+                       "widths": r.widths, "heights": r.heights})
         stage.publish(index_name(i), digests_name(i))
     examples = sum(s["examples"] for s in shards)
     if examples == 0:
@@ -373,27 +374,27 @@ class IndexedTars(ShardSource):
     def __init__(self, path, resolution=None, channels=None, background=None, on_error="stop", cache=None,
                  cache_bytes=None):
         self.root = storage.location(path)
-        self.manifest = m = read_tars_manifest(self.root)
+        self.record = m = read_tars_manifest(self.root)
         if resolution is None:
-            w, h = m["image_sizes"]["widths"], m["image_sizes"]["heights"]
+            w, h = m.image_sizes.widths, m.image_sizes.heights
             raise DataError(f"indexed tars {self.root}: the images keep their own sizes ({w[0]}..{w[1]} x "
                             f"{h[0]}..{h[1]}); give data.resolution, the size a run resizes and crops them to")
         self.resolution = _check_resolution(resolution, required=True)
         self.channels = 3 if channels is None else channels
         self.background = 255 if background is None else int(background)
         self.shape = (self.channels, self.resolution, self.resolution)
-        self.num_classes, self.flip, self.member, self.quantised = m["num_classes"], m["flip"], "image", True
+        self.num_classes, self.flip, self.member, self.quantised = m.num_classes, m.flip, "image", True
         self.arrays, self.member_shape = [0], self.shape
         self.stored_captions = None
         self.holds = frozenset({X} | {field for field, there in ((LABEL, self.num_classes),
-                                                                  (CAPTION, "txt" in m["members"])) if there})
-        self.caption_key, self.class_key = m["caption_key"], m["class_key"]
-        self.tars = [storage.location(s["tar"]) for s in m["shards"]]
-        self.index_files = [self._file_named(s["index"]) for s in m["shards"]]
+                                                                  (CAPTION, "txt" in m.members)) if there})
+        self.caption_key, self.class_key = m.caption_key, m.class_key
+        self.tars = [storage.location(s.tar) for s in m.shards]
+        self.index_files = [self._file_named(s.index) for s in m.shards]
         self.checked_per_member = True
-        self.digest_files = [self._file_named(s["digests"]) for s in m["shards"]]
+        self.digest_files = [self._file_named(s.digests) for s in m.shards]
         self._at(cache, cache_bytes)
-        for tar, entry in zip(self.tars, m["shards"], strict=True):
+        for tar, entry in zip(self.tars, m.shards, strict=True):
             _check_tar(tar, entry)
         self._ready(on_error)
 
@@ -425,7 +426,7 @@ class IndexedTars(ShardSource):
 
     def _changed(self, shard: int, row: int, column: int) -> str:
         return (f"tar {self.tars[shard]} changed since it was indexed: {self._member_name(shard, row, column)} "
-                f"(the {self.manifest['members'][column]} of example {int(self.starts[shard]) + row}) is not the "
+                f"(the {self.record.members[column]} of example {int(self.starts[shard]) + row}) is not the "
                 f"bytes {self.digest_files[shard]} records; {self.remedy}")
 
     def _decode(self, blob: bytes, shard: int, row: int) -> np.ndarray:
@@ -468,14 +469,14 @@ class IndexedTars(ShardSource):
         return value.strip()
 
 
-def _check_tar(tar, entry: dict) -> None:
+def _check_tar(tar, entry: "TarEntry") -> None:
     """A listed tar is there, a regular file, at the size and modification time it was indexed at: a stat, no read (at
     a URL, one request: its size and last modification)."""
     if not isinstance(tar, Path):
         size, mtime_ns = storage.stat(tar)
-        if (size, mtime_ns) != (entry["bytes"], entry["mtime_ns"]):
-            raise DataError(f"tar {tar} changed since it was indexed ({size} bytes, the index says {entry['bytes']}; "
-                            f"{'the same' if mtime_ns == entry['mtime_ns'] else 'another'} modification time); index "
+        if (size, mtime_ns) != (entry.bytes, entry.mtime_ns):
+            raise DataError(f"tar {tar} changed since it was indexed ({size} bytes, the index says {entry.bytes}; "
+                            f"{'the same' if mtime_ns == entry.mtime_ns else 'another'} modification time); index "
                             "the tars again with 'islands index'")
         return
     try:
@@ -487,10 +488,10 @@ def _check_tar(tar, entry: dict) -> None:
         raise DataError(f"tar {tar}: cannot read: {e.strerror or e}") from None
     if not tar.is_file():
         raise DataError(f"tar {tar}: not a regular file")
-    if (stat.st_size, stat.st_mtime_ns) != (entry["bytes"], entry["mtime_ns"]):
-        when = "the same" if stat.st_mtime_ns == entry["mtime_ns"] else "another"
+    if (stat.st_size, stat.st_mtime_ns) != (entry.bytes, entry.mtime_ns):
+        when = "the same" if stat.st_mtime_ns == entry.mtime_ns else "another"
         raise DataError(f"tar {tar} changed since it was indexed ({stat.st_size} bytes, the index says "
-                        f"{entry['bytes']}; {when} modification time); index the tars again with 'islands index'")
+                        f"{entry.bytes}; {when} modification time); index the tars again with 'islands index'")
 
 
 # --- the manifest, read as untrusted ----------------------------------------------------------------------------------
@@ -509,6 +510,63 @@ class TarEntry(ManifestRecord):
     digests_sha256: str
     widths: Annotated[list[int], Field(min_length=2, max_length=2)]
     heights: Annotated[list[int], Field(min_length=2, max_length=2)]
+    sha256: ClassVar[None] = None  # a tar is checked by its size and mtime, not hashed whole (a shard is)
+
+
+class LeftOut(ManifestRecord):
+    """An example `islands index` left out: its tar, its key there, and why."""
+
+    tar: str
+    key: str
+    why: str
+
+
+class LackingCounts(ManifestRecord):
+    """How many examples of a tar lack a caption, and a class."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    caption: Count
+    class_: Count = Field(alias="class")
+
+
+class IndexedTar(ManifestRecord):
+    """What a rank of `islands index` read of one tar (its raw index, sha256 and classes wait beside it): the i-th
+    tar of the set, its size and mtime, its examples and those left out, how many lack a caption or a class, and its
+    images' sizes."""
+
+    i: Count
+    tar: str
+    bytes: Count
+    mtime_ns: int
+    examples: Count
+    left_out: list[LeftOut]
+    lacking: LackingCounts
+    widths: Annotated[list[int], Field(min_length=2, max_length=2)]
+    heights: Annotated[list[int], Field(min_length=2, max_length=2)]
+
+
+class RankTars(Record):
+    """OUT/.rank-R.json while `islands index` runs: what rank R read of its tars, which rank 0 makes the manifest of
+    (read back, and discarded, in the same command)."""
+
+    tars: list[IndexedTar]
+
+    @staticmethod
+    def file(rank: int) -> str:
+        return f".rank-{rank}.json"
+
+
+class Lacking(Record):
+    """OUT/.raw-I.lacking.json while `islands index` runs: which examples of tar I lack a caption or a class, and why
+    (a row, its key, the reason), read only where that column is kept."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    caption: list[tuple[int, str, str]] = []
+    class_: list[tuple[int, str, str]] = Field(default=[], alias="class")
+
+    @staticmethod
+    def file(i: int) -> str:
+        return f".raw-{i:06d}.lacking.json"
 
 
 class ImageSizes(ManifestRecord):
@@ -529,9 +587,10 @@ class TarsManifest(ManifestRecord):
     class_key: str | None = None
     image_sizes: ImageSizes
     left_out_count: Count
-    left_out: list[dict] = []
+    left_out: list[LeftOut] = []
     made_from: dict | None = None
     shards: list[TarEntry]
+    latents: ClassVar[None] = None  # an indexed folder holds images as they lie, never latents
 
     @field_validator("members", mode="before")
     @classmethod
@@ -553,16 +612,13 @@ class TarsManifest(ManifestRecord):
         return self
 
 
-def read_tars_manifest(root: Path) -> dict:
-    """The manifest of a folder `islands index` wrote (a `TarsManifest`, as the JSON it came as), its structure and
-    numbers checked; one line on trouble."""
+def read_tars_manifest(root: Path) -> TarsManifest:
+    """The manifest of a folder `islands index` wrote, its structure and numbers checked; one line on trouble."""
     root = storage.location(root)
     if isinstance(root, Path) and not root.is_dir():
         raise DataError(f"indexed tars {root} does not exist; write it with 'islands index TARS {root}'")
     path = _named(root, MANIFEST)
-    m = _manifest_json(path)
-    TarsManifest.read(m, path, "indexed tars' manifest")
-    return m
+    return TarsManifest.read(_manifest_json(path), path, "indexed tars' manifest")
 
 
 # --- the whole pass, when a person asks -------------------------------------------------------------------------------
