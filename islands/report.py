@@ -17,18 +17,33 @@ from base64 import b64encode
 from dataclasses import dataclass, field
 from io import BytesIO
 from pathlib import Path
+from typing import Any
 
 import yaml
 from PIL import Image, UnidentifiedImageError
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
 from islands.conditions import KINDS
 from islands.config import ConfigError
+from islands.data.clusters import PartitionRecord
 from islands.ddm.condition_router import ROUTER_FOLDER, ROUTER_REPORT
 from islands.ddm.ensemble import MANIFEST
 from islands.ddm.partition import META_FILE
-from islands.errors import DataError
+from islands.ddm.records import ConditionRouterReport, EnsembleManifest
+from islands.errors import CheckpointError, DataError
 from islands.images import curves_png
-from islands.rundir import CONFIG, MARKER, MODEL, atomic_write_text
+from islands.rundir import (
+    CONFIG,
+    MARKER,
+    MODEL,
+    CheckpointState,
+    LogLine,
+    Record,
+    RunDescription,
+    atomic_write_text,
+    one_line,
+)
+from islands.train.flops import FlopsRecord
 
 REPORT = "report.html"
 GENERATOR = '<meta name="generator" content="islands report">'  # how a report is told from any other file
@@ -85,17 +100,32 @@ class Folder:
         text = self.text(rel)
         return None if text is None else json.loads(text)
 
-    def jsonl(self, rel: str | Path) -> list[dict]:
-        """The objects of a JSON-lines log; a line cut short by a run that stopped mid-write is skipped."""
-        records = []
-        for line in (self.text(rel) or "").splitlines():
+    def record(self, rel: str | Path, model):
+        """The file read through its model (None where absent): JSON that does not parse raises its ValueError, a
+        file its model refuses one line naming it and the key (a CheckpointError); its section shows either as one
+        line on the page."""
+        raw = self.json(rel)
+        if raw is None:
+            return None
+        try:
+            return model.model_validate(raw)
+        except ValidationError as err:
+            raise CheckpointError(one_line(err, rel)) from None
+
+    def log(self, rel: str | Path) -> list[LogLine]:
+        """The lines of a JSON-lines log (metrics.jsonl, eval.jsonl); a line cut short by a run that stopped mid-write
+        is skipped, one that is not a log line left out by name."""
+        lines = []
+        for n, line in enumerate((self.text(rel) or "").splitlines(), 1):
             try:
-                record = json.loads(line)
+                raw = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(record, dict):
-                records.append(record)
-        return records
+            try:
+                lines.append(LogLine.model_validate(raw))
+            except ValidationError as err:
+                self.left_out.append(one_line(err, f"{rel}, line {n}"))
+        return lines
 
     def entries(self, rel: str | Path, kind: str = "file") -> list[str]:
         """Names of the files (or folders) directly in root/rel, in natural order, links included: reading one
@@ -133,6 +163,43 @@ def natural(name: str) -> tuple:
 
 def png_uri(data: bytes) -> str:
     return "data:image/png;base64," + b64encode(data).decode()
+
+
+# --- the files only the page reads, as their models ------------------------------------------------------------------
+
+class RouterAccuracy(Record):
+    """RUN/router_accuracy.json (trainer/reporters.py): a router's top-1 accuracy at each t and, where the data's
+    exact posterior was computed, the exact posterior's accuracy and the router's calibration against it."""
+
+    images: int = Field(ge=0)
+    t: list[float]
+    accuracy: list[float]
+    exact_accuracy: list[float] | None = None
+    tv: list[float] | None = None
+    kl: list[float] | None = None
+    ece: list[float] | None = None
+    majority_cluster_share: float
+
+
+class CommunicationLedger(Record):
+    """RUN/communication.json (parallel/ledger.py's summary): the optimizer steps, and the bytes one rank sent by
+    collective, per step and in all."""
+
+    steps: int = Field(ge=0)
+    bytes_per_step: dict[str, float]
+    total_bytes: dict[str, int | float]
+
+
+class Versus(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ensemble: int | float
+    monolith: int | float
+
+
+# ENSEMBLE/comparison.json (ddm/pipeline.py): each measure of the ensemble beside the monolith's
+Comparison = RootModel[dict[str, Versus]]
+# RUN/metrics.json (eval/evaluate.py's `record`): each evaluation's measures under the key that names it
+Evaluations = RootModel[dict[str, dict[str, Any]]]
 
 
 # --- building blocks of the page -----------------------------------------------------------------------------------
@@ -254,8 +321,8 @@ def weights_size(folder: Folder, rel: Path) -> int | None:
 
 def trained_images(folder: Folder, rel: Path) -> int | None:
     ckpt = latest_checkpoint(folder, rel)
-    state = folder.json(ckpt / "state.json") if ckpt else None
-    return state.get("progress", {}).get("images") if isinstance(state, dict) else None
+    state = folder.record(ckpt / "state.json", CheckpointState) if ckpt else None
+    return state.progress.get("images") if state is not None else None
 
 
 # --- sections ------------------------------------------------------------------------------------------------------
@@ -273,7 +340,7 @@ def describe(folder: Folder, rel: Path) -> list[list]:
     """A run's (or an ensemble's) description as rows (what, value): its network, its size, its data, its
     training; of the model and data, only the keys the run's kinds use."""
     cfg, ckpt = sections_of(folder, rel), latest_checkpoint(folder, rel)
-    built = folder.json(rel / MODEL) or {}
+    built = folder.record(rel / MODEL, RunDescription)
     model, data, flow, train = (cfg.get(k) if isinstance(cfg.get(k), dict) else {}
                                 for k in ("model", "data", "flow", "train"))
     condition = model.get("condition")
@@ -282,7 +349,7 @@ def describe(folder: Folder, rel: Path) -> list[list]:
     rows = [["model", "; ".join(f"{k} {fmt(v)}" for k, v in model.items() if v not in (None, [], {}))],
             ["weights", f"{weights:,} numbers (parameters and buffers)" if (weights := weights_size(folder, rel))
              else None],
-            ["built for", f"examples of shape {fmt(built.get('shape'))}, {fmt(built.get('num_classes'))} classes"
+            ["built for", f"examples of shape {fmt(list(built.shape))}, {fmt(built.num_classes)} classes"
              if built else None],
             ["data", "; ".join(f"{k} {fmt(v)}" for k, v in data.items() if v not in (None, [], {}, False))],
             ["flow", "; ".join(f"{k} {fmt(flow.get(k))}" for k in ("path", "prediction") if k in flow)],
@@ -297,13 +364,13 @@ def description(folder: Folder, runs: list[Path]) -> str:
     """The folder's own config described (a run's network, weights and progress too); an ensemble's experts as its
     manifest lists them; every run below the folder; the configs themselves, folded away."""
     parts = [table(None, describe(folder, Path()))]
-    manifest = folder.json(MANIFEST)
-    if isinstance(manifest, dict):
-        parts.append(f"<p>An ensemble of {esc(fmt(manifest.get('k')))} experts, partition "
-                     f"{esc(fmt(manifest.get('partition')))}, cluster prior {esc(fmt(manifest.get('prior')))}.</p>")
+    manifest = folder.record(MANIFEST, EnsembleManifest)
+    if manifest is not None:
+        parts.append(f"<p>An ensemble of {esc(fmt(manifest.k))} experts, partition "
+                     f"{esc(fmt(manifest.partition))}, cluster prior {esc(fmt(manifest.prior))}.</p>")
         keys = ("name", "run", "images", "cluster", "size", "path", "prediction", "sha256")
-        experts = [e for e in manifest.get("experts", []) if isinstance(e, dict)]
-        rows = [[str(e[k])[:16] if k == "sha256" and k in e else e.get(k) for k in keys] for e in experts]
+        rows = [[e.name, e.run, e.images, e.cluster, e.size, e.path, e.prediction,
+                 e.sha256[:16] if e.sha256 is not None else None] for e in manifest.experts]
         parts.append(table(list(keys), rows))
     members = [r for r in runs if r != Path()]
     if members:
@@ -362,20 +429,18 @@ def samples(folder: Folder, runs: list[Path]) -> str:
 
 
 def partition(folder: Folder) -> str:
-    meta = folder.json(Path("partition") / META_FILE)
-    if not isinstance(meta, dict):
+    meta = folder.record(Path("partition") / META_FILE, PartitionRecord)
+    if meta is None:
         return ""
-    sizes = meta.get("sizes") or []
-    total = sum(s for s in sizes if numeric(s)) or 1
-    body = (f"<p>{esc(fmt(meta.get('k')))} clusters of {esc(fmt(meta.get('n')))} examples by "
-            f"{esc(fmt(meta.get('method')))} on {esc(fmt(meta.get('features_name')))} (balanced: "
-            f"{esc(fmt(meta.get('balanced')))}, seed {esc(fmt(meta.get('seed')))}).</p>")
+    sizes = meta.sizes
+    total = sum(sizes) or 1
+    body = (f"<p>{esc(fmt(meta.k))} clusters of {esc(fmt(meta.n))} examples by {esc(fmt(meta.method))} on "
+            f"{esc(fmt(meta.features_name))} (balanced: {esc(fmt(meta.balanced))}, seed {esc(fmt(meta.seed))}).</p>")
     body += picture(folder.png(Path("partition") / "clusters.png"), "examples of each cluster (partition/clusters.png)")
-    body += table(["cluster", "examples", "share"], [[k, s, s / total if numeric(s) else None]
-                                                     for k, s in enumerate(sizes)])
-    by_class = meta.get("sizes_by_class")
-    if isinstance(by_class, list) and by_class:
-        width = max(len(row) for row in by_class if isinstance(row, list))
+    body += table(["cluster", "examples", "share"], [[k, s, s / total] for k, s in enumerate(sizes)])
+    by_class = meta.sizes_by_class
+    if by_class:
+        width = max(len(row) for row in by_class)
         body += details("examples of each class in each cluster",
                         table(["cluster", *map(str, range(width))], [[k, *row] for k, row in enumerate(by_class)]))
     return body
@@ -383,16 +448,16 @@ def partition(folder: Folder) -> str:
 
 def condition_router(folder: Folder) -> str:
     """p(cluster | text) of a text-conditioned ensemble: its held-out calibration."""
-    found = folder.json(Path(ROUTER_FOLDER) / ROUTER_REPORT)
-    if not isinstance(found, dict):
+    found = folder.record(Path(ROUTER_FOLDER) / ROUTER_REPORT, ConditionRouterReport)
+    if found is None:
         return ""
-    calibration = found.get("calibration") or {}
-    scalars = [[k, v] for k, v in calibration.items() if not isinstance(v, list)]
-    body = (f"<p>An MLP of width {esc(fmt(found.get('hidden')))} on the pooled caption embedding "
-            f"({esc(fmt(found.get('width')))} wide) to {esc(fmt(found.get('clusters')))} clusters, measured on "
+    calibration = found.calibration
+    scalars = [[k, v] for k, v in calibration.model_dump(exclude_unset=True).items() if not isinstance(v, list)]
+    body = (f"<p>An MLP of width {esc(fmt(found.hidden))} on the pooled caption embedding "
+            f"({esc(fmt(found.width))} wide) to {esc(fmt(found.clusters))} clusters, measured on "
             "held-out examples:</p>") + table(None, scalars)
-    predicted, empirical = calibration.get("shares_predicted"), calibration.get("shares_empirical")
-    if isinstance(predicted, list) and isinstance(empirical, list):
+    predicted, empirical = calibration.shares_predicted, calibration.shares_empirical
+    if predicted is not None and empirical is not None:
         body += table(["cluster", "predicted share", "held-out share"],
                       [[k, p, e] for k, (p, e) in enumerate(zip(predicted, empirical, strict=False))])
     return body
@@ -402,43 +467,43 @@ ACCURACY = "top-1 accuracy"
 CALIBRATION = "against the exact posterior (TV, KL nats, ECE)"
 
 
-def router_panels(found: dict) -> dict:
+def router_panels(found: RouterAccuracy) -> dict:
     """router_accuracy.json as panels against t: the router's accuracy beside the exact posterior's (the most any
     router reaches), and the distances between the two."""
-    t = found["t"]
-    lines = {ACCURACY: {"router": "accuracy", "exact posterior": "exact_accuracy"},
-             CALIBRATION: {"tv": "tv", "kl": "kl", "ece": "ece"}}
-    return series_panels({panel: {label: (t, found[key]) for label, key in keys.items()
-                                  if isinstance(found.get(key), list)} for panel, keys in lines.items()})
+    lines = {ACCURACY: {"router": found.accuracy, "exact posterior": found.exact_accuracy},
+             CALIBRATION: {"tv": found.tv, "kl": found.kl, "ece": found.ece}}
+    return series_panels({panel: {label: (found.t, ys) for label, ys in by_label.items() if ys is not None}
+                          for panel, by_label in lines.items()})
 
 
 def router_accuracy(folder: Folder, runs: list[Path]) -> str:
     """Each router's accuracy against t and, where it was measured, its calibration against the exact posterior."""
     body = ""
     for rel in runs:
-        found = folder.json(rel / "router_accuracy.json")
-        if not isinstance(found, dict) or not isinstance(found.get("t"), list):
+        found = folder.record(rel / "router_accuracy.json", RouterAccuracy)
+        if found is None:
             continue
-        body += (f"<h3>{esc(run_name(rel))}</h3><p>after {esc(fmt(found.get('images')))} images; the largest "
-                 f"cluster holds {esc(fmt(found.get('majority_cluster_share')))} of the examples (the accuracy of "
+        body += (f"<h3>{esc(run_name(rel))}</h3><p>after {esc(fmt(found.images))} images; the largest "
+                 f"cluster holds {esc(fmt(found.majority_cluster_share))} of the examples (the accuracy of "
                  "always naming it).</p>")
         panels = router_panels(found)
         if panels:
             body += picture(png_uri(curves_png(panels, "t (0 data, 1 noise)", columns=2, shares=(ACCURACY,))),
                             f"{run_name(rel)}: accuracy and calibration against t")
-        columns = [c for c in ("accuracy", "exact_accuracy", "tv", "kl", "ece") if isinstance(found.get(c), list)]
-        rows = [[x, *(found[c][i] if i < len(found[c]) else None for c in columns)] for i, x in enumerate(found["t"])]
+        columns = {name: ys for name, ys in (("accuracy", found.accuracy), ("exact_accuracy", found.exact_accuracy),
+                                             ("tv", found.tv), ("kl", found.kl), ("ece", found.ece))
+                   if ys is not None}
+        rows = [[x, *(ys[i] if i < len(ys) else None for ys in columns.values())] for i, x in enumerate(found.t)]
         body += details("the numbers by t", table(["t", *columns], rows))
     return body
 
 
 def comparison(folder: Folder) -> str:
-    found = folder.json("comparison.json")
+    found = folder.record("comparison.json", Comparison)
     shown = picture(folder.png("comparison.png"), "the ensemble and the monolith, the same noise (comparison.png)")
-    if isinstance(found, dict):
-        rows = [[name, *(row.get(k) for k in ("ensemble", "monolith"))] for name, row in found.items()
-                if isinstance(row, dict)]
-        shown += table(["", "ensemble", "monolith"], rows)
+    if found is not None:
+        shown += table(["", "ensemble", "monolith"], [[name, row.ensemble, row.monolith]
+                                                      for name, row in found.root.items()])
     return shown
 
 
@@ -446,10 +511,10 @@ def metrics(folder: Folder, runs: list[Path]) -> str:
     """Every entry of every metrics.json (the folder's own, then each run's): one column per entry."""
     body = ""
     for rel in [Path(), *[r for r in runs if r != Path()]]:
-        found = folder.json(rel / "metrics.json")
-        if not isinstance(found, dict) or not found:
+        found = folder.record(rel / "metrics.json", Evaluations)
+        if found is None or not found.root:
             continue
-        entries = {key: value for key, value in found.items() if isinstance(value, dict)}
+        entries = found.root
         names = list(dict.fromkeys(name for value in entries.values() for name in value))
         rows = [[name, *(entry.get(name) for entry in entries.values())] for name in names]
         body += f"<h3>{esc((rel / 'metrics.json').as_posix())}</h3>"
@@ -475,14 +540,14 @@ def series_panels(panels: dict) -> dict:
 
 
 def log_panels(folder: Folder, runs: list[Path], log: str, skip: set) -> dict:
-    """{metric: {run: (images, values)}} of every numeric key of each run's `log`.jsonl."""
+    """{metric: {run: (images, values)}} of every numeric value of each run's `log`.jsonl, by its name."""
     panels = {}
     for rel in runs:
-        records = folder.jsonl(rel / f"{log}.jsonl")
-        keys = dict.fromkeys(k for r in records for k, v in r.items() if numeric(v) and k not in skip)
-        for key in keys:
-            shown = [r for r in records if numeric(r.get(key)) and numeric(r.get("images"))]
-            panels.setdefault(key, {})[run_name(rel)] = ([r["images"] for r in shown], [r[key] for r in shown])
+        lines = [(line.images, line.values) for line in folder.log(rel / f"{log}.jsonl")]
+        names = dict.fromkeys(k for _, values in lines for k, v in values.items() if numeric(v) and k not in skip)
+        for name in names:
+            shown = [(images, values[name]) for images, values in lines if numeric(values.get(name))]
+            panels.setdefault(name, {})[run_name(rel)] = ([x for x, _ in shown], [y for _, y in shown])
     return series_panels(panels)
 
 
@@ -510,13 +575,13 @@ def flops(folder: Folder, runs: list[Path]) -> str:
     """Each run's flops.json; in an ensemble, what its experts and router cost together."""
     rows, ensemble, counted = [], 0.0, None
     for rel in runs:
-        found = folder.json(rel / "flops.json")
-        if isinstance(found, dict):
-            counted = counted or found.get("counted_by")
-            rows.append([run_name(rel), found.get("flops_per_image"), found.get("images"),
-                         found.get("training_flops"), found.get("encoder_flops_per_image")])
-            if rel.parts[:1] in (("experts",), ("router",)) and numeric(found.get("training_flops")):
-                ensemble += found["training_flops"]
+        found = folder.record(rel / FlopsRecord.FILE, FlopsRecord)
+        if found is not None:
+            counted = counted or found.counted_by
+            rows.append([run_name(rel), found.flops_per_image, found.images, found.training_flops,
+                         found.encoder_flops_per_image])
+            if rel.parts[:1] in (("experts",), ("router",)):
+                ensemble += found.training_flops
     if not rows:
         return ""
     if ensemble:
@@ -529,12 +594,12 @@ def communication(folder: Folder, runs: list[Path]) -> str:
     """Each run's communication ledger (communication.json): bytes one rank sent, by collective."""
     body = ""
     for rel in runs:
-        found = folder.json(rel / "communication.json")
-        if not isinstance(found, dict):
+        found = folder.record(rel / "communication.json", CommunicationLedger)
+        if found is None:
             continue
-        per_step, total = found.get("bytes_per_step") or {}, found.get("total_bytes") or {}
+        per_step, total = found.bytes_per_step, found.total_bytes
         rows = [[name, per_step.get(name), total.get(name)] for name in dict.fromkeys([*per_step, *total])]
-        body += (f"<h3>{esc(run_name(rel))}</h3><p>{esc(fmt(found.get('steps')))} optimizer steps; bytes one rank "
+        body += (f"<h3>{esc(run_name(rel))}</h3><p>{esc(fmt(found.steps))} optimizer steps; bytes one rank "
                  "sent, by collective:</p>") + table(["collective", "bytes per step", "bytes in all"], rows)
     return body
 

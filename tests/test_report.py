@@ -205,6 +205,28 @@ def test_what_the_folder_says_is_escaped_no_link_leads_out_of_it_and_a_bad_file_
     assert not any(img.size == (40, 40) for img in page.images())
 
 
+def test_a_file_its_model_refuses_is_one_line_naming_the_file_and_the_key_and_the_page_renders(run, tmp_path):
+    """The page reads every record through its model (issue 37): a file that fails it is one line naming the file
+    and the key, in its section or among the files left out, and the rest of the page is there."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("report.html"))
+    (copy / "router_accuracy.json").write_text(json.dumps({"images": 8, "t": [0.5], "accuracy": "high",
+                                                           "majority_cluster_share": 0.5}))
+    with open(copy / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"loss": 0.5}) + "\n")  # a line without its images
+    lines = (copy / "metrics.jsonl").read_text().count("\n")
+    model = json.loads((copy / "model.json").read_text())
+    (copy / "model.json").write_text(json.dumps({**model, "version": 2}))
+    text, _ = report(copy)
+    assert ("Router accuracy and calibration against t: could not be shown (CheckpointError: router_accuracy.json: "
+            "accuracy: Input should be a valid list)") in text
+    assert f"metrics.jsonl, line {lines}: images: Field required" in text
+    assert "Description: could not be shown (CheckpointError: model.json: version: 2 is not a version this Islands " \
+           "reads (1 to 1))" in text
+    for section in ("Loss and evaluation curves", "Communication ledger", "FLOP accounting", "Samples"):
+        assert f">{section}</h2>" in text
+
+
 def test_only_a_report_is_replaced_and_a_folder_of_nothing_is_refused(run, tmp_path, capsys):
     other = tmp_path / "notes.html"
     other.write_text("<p>mine</p>")
