@@ -173,7 +173,7 @@ def table_of(work: Path, ensembles: dict, mono_dir: Path, routings: tuple, tag: 
     monolith_grid(mono_dir, work / "monolith_grid.png")
     print(f"  monolith{tag}: fd {mono['fd']:.3f}", flush=True)
     for name, cfg in ensembles.items():
-        router_gflop = forward_flops(read_manifest(cfg.run_dir)["router"]["model"]) / 1e9
+        router_gflop = forward_flops(read_manifest(cfg.run_dir).router.model) / 1e9
         cost = ensemble_training_flops(cfg) / mono_flops
         for routing in routings:
             result = cached(f"{name}{tag} {routing}",

@@ -56,7 +56,7 @@ class Source(ABC):
     quantised: bool = False  # every example is an 8-bit image (k / 127.5 - 1): `islands shard` stores it as a PNG
     options: tuple | None = None  # everything it was built with, set by build_source (None: not known)
     holds: frozenset = frozenset({X})  # the fields `read` gives
-    stored_captions: dict | None = None  # what made the caption embeddings a source holds (islands encode's record)
+    stored_captions = None  # what made the caption embeddings a source holds: the manifest's CaptionEmbeddings
 
     @abstractmethod
     def __len__(self): ...
