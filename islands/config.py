@@ -901,8 +901,36 @@ def _resumable(a: dict, b: dict, key: str) -> bool:
     return key in RESUMABLE_CHANGES or key.split(".")[0] in RESUMABLE_CHANGES
 
 
+_NO_DEFAULT = object()
+
+
+def _default_of(key: str):
+    """The schema's default of a dotted key (`parallel.mixing`), or _NO_DEFAULT where it has none."""
+    model, *names, last = Config, *key.split(".")
+    for name in names:  # sections of one model each (a union, as `data` is, has no one default)
+        model = getattr(model.model_fields.get(name), "annotation", None)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return _NO_DEFAULT
+    field = model.model_fields.get(last)
+    return _NO_DEFAULT if field is None or field.is_required() else field.get_default(call_default_factory=True)
+
+
+def _as_written_now(old: dict, keys) -> dict:
+    """A config written by an older Islands as this one reads it (flattened): the keys it lacks at the values the
+    validators give them (a default may follow from other keys: `data.order` from whether `data.path` is a URL), or
+    at the schema's defaults where it no longer validates."""
+    try:
+        return flatten(to_dict(validate(old)))
+    except (ConfigError, ValueError, OSError):
+        return {key: value for key in keys if (value := _default_of(key)) is not _NO_DEFAULT}
+
+
 def trajectory_changes(old: dict, new: dict) -> list[str]:
-    """Keys whose change would make a resumed run differ from the one on disk."""
+    """Keys whose change would make a resumed run differ from the one on disk. A key the run's config lacks (written
+    by an Islands that did not have it yet) is taken as this Islands reads that config: a run resumes after an
+    upgrade."""
     a, b = flatten(old), flatten(new)
+    if set(b) - set(a):
+        a = {**_as_written_now(old, set(b) - set(a)), **a}
     return [f"{key}: {a.get(key)!r} -> {b.get(key)!r}" for key in sorted(set(a) | set(b))
             if a.get(key) != b.get(key) and not _resumable(a, b, key)]
