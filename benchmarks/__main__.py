@@ -9,6 +9,7 @@ Each prints its table, writes benchmarks/results/<name>.json and any figure to d
 import argparse
 import importlib
 import json
+import sys
 import time
 
 from benchmarks.common import RESULTS
@@ -18,18 +19,20 @@ BENCHMARKS = ["trainer_overhead", "precision", "activation_checkpointing", "netw
               "range_experts", "distributed_sampling", "plan", "error_vs_dimension", "local_updates", "gpu",
               "sampling_e2e", "loader", "low_res_first", "autoencoder", "latent_vs_pixel", "text_encoder",
               "condition_router", "ddm_text", "ddm_export", "data_startup", "cascade", "object_storage", "data_scale",
-              "collectives", "diloco_candidates"]
+              "collectives", "ddm_budget", "diloco_candidates"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", metavar="name",
                         help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
-    arguments, options = parser.parse_known_args()
-    names = [a for a in arguments.names if a in BENCHMARKS] or BENCHMARKS
-    options += [a for a in arguments.names if a not in BENCHMARKS]
-    for option in options:
-        if not (option.startswith("-") or option.replace(".", "").isdigit()):
+    parser.parse_known_args()  # --help
+    given = sys.argv[1:]
+    names = [a for a in given if a in BENCHMARKS] or BENCHMARKS
+    options = [a for a in given if a not in BENCHMARKS]
+    for before, option in zip(["", *given], given, strict=False):
+        if option not in BENCHMARKS and not (option.startswith("-") or before.startswith("-")
+                                             or option.replace(".", "").isdigit()):
             parser.error(f"unknown benchmark {option!r}; choose from {', '.join(BENCHMARKS)}")
     if options and len(names) != 1:
         parser.error(f"options {' '.join(options)} go with one benchmark, not {len(names)}")
