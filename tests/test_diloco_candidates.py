@@ -14,7 +14,7 @@ from test_parallel import cut_back, exported, free_port, mlp_config, predicted_b
 
 from islands.config import validate
 from islands.parallel.launch import World
-from islands.parallel.local_updates import DiLoCoStrategy, Rounds
+from islands.parallel.local_updates import Candidates, DiLoCoStrategy, Rounds
 
 
 def one_rank_world():
@@ -43,7 +43,8 @@ def test_after_a_warm_start_the_first_outer_step_is_from_its_end_not_from_the_in
     (the EMA takes in the net's own); the exchange at step 4 is one Nesterov step on the change since step 2."""
     one_rank_world()
     try:
-        strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=2, batch_size=1, warm_start_images=2)
+        strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=2, batch_size=1,
+                                  candidates=Candidates(warm_start_images=2))
         net = torch.nn.Linear(3, 2)
         strategy.parallelize(net)
         for step in range(1, 5):
@@ -100,7 +101,8 @@ def test_an_overlapped_exchange_lands_tau_steps_later_merged_by_alpha(delay, mix
     one_rank_world()
     try:
         strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=4, batch_size=1, outer_lr=0.7,
-                                  outer_momentum=0.9, fragments=2, overlap_steps=delay, mixing=mixing)
+                                  outer_momentum=0.9, fragments=2,
+                                  candidates=Candidates(overlap_steps=delay, mixing=mixing))
         net = torch.nn.Linear(3, 2)
         strategy.parallelize(net)
         assert strategy.replicas.fragments == [["weight"], ["bias"]]
@@ -135,7 +137,8 @@ def test_reset_zeroes_the_inner_state_at_each_synchronisation_so_the_next_step_i
     and the step count are zero, and the next step is what a new AdamW takes from the same weights and gradient."""
     one_rank_world()
     try:
-        strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=2, batch_size=1, inner_state="reset")
+        strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=2, batch_size=1,
+                                  candidates=Candidates(inner_state="reset"))
         net = torch.nn.Linear(3, 2)
         strategy.parallelize(net)
         opt = torch.optim.AdamW(net.parameters(), lr=0.1)
@@ -170,7 +173,8 @@ def test_the_ema_of_the_mean_takes_in_the_replicas_mean_before_the_outer_step():
     replicas' mean weights), not the anchor the outer Nesterov step moved past them."""
     one_rank_world()
     try:
-        strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=1, batch_size=1, outer_ema="mean")
+        strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=1, batch_size=1,
+                                  candidates=Candidates(outer_ema="mean"))
         net = torch.nn.Linear(3, 2)
         strategy.parallelize(net)
         for step in (1, 2):

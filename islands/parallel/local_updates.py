@@ -61,7 +61,7 @@ through torchft (islands.parallel.fault_tolerance), so replicas may drop out and
 """
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -78,9 +78,23 @@ from islands.parallel.ledger import Ledger, bytes_sent
 from islands.parallel.replicas import Replicas
 from islands.parallel.strategies import Strategy
 
-# parallel's keys of the candidates for closing the gap to data parallelism (issue 40), LocalSGD's arguments
-CANDIDATES = ("warm_start_images", "sync_every_start", "sync_every_ramp_images", "overlap_steps", "mixing",
-              "inner_state", "outer_ema")
+
+@dataclass(frozen=True)
+class Candidates:
+    """parallel's keys of the candidates for closing the gap to data parallelism (issue 40), LocalSGD's arguments;
+    the defaults are the plain local update."""
+
+    warm_start_images: int = 0
+    sync_every_start: int | None = None
+    sync_every_ramp_images: int | None = None
+    overlap_steps: int = 0
+    mixing: float = 0.0
+    inner_state: str = "keep"
+    outer_ema: str = "anchor"
+
+    @classmethod
+    def of(cls, par) -> "Candidates":
+        return cls(**{f.name: getattr(par, f.name) for f in fields(cls)})
 
 
 def fragments_of(sizes: list[int], count: int) -> list[range]:
@@ -468,7 +482,7 @@ class LocalSGDStrategy(Strategy):
     def options(cls, cfg: Config) -> dict:
         par = cfg.parallel
         keys = ("sync_every", "fragments", "replicas", "worker_batch", "worker_sync_every", "lighthouse", "replica_id",
-                "host", "min_replicas", "timeout_s", "quorum_timeout_s", *CANDIDATES)
+                "host", "min_replicas", "timeout_s", "quorum_timeout_s")
         # replicas that heal one another (parallel.lighthouse) check that they train one config (torchft's module)
         sha256 = None
         if par.lighthouse is not None:
@@ -476,7 +490,7 @@ class LocalSGDStrategy(Strategy):
 
             sha256 = replica_config_sha256(cfg)
         return {**super().options(cfg), **{k: getattr(par, k) for k in keys}, "batch_size": cfg.train.batch_size,
-                "config_sha256": sha256, "run_images": cfg.train.images}
+                "config_sha256": sha256, "run_images": cfg.train.images, "candidates": Candidates.of(par)}
 
     @classmethod
     def check(cls, cfg: Config) -> None:
@@ -490,7 +504,7 @@ class LocalSGDStrategy(Strategy):
                  worker_batch: list[int] | None = None, worker_sync_every: list[int] | None = None,
                  lighthouse: str | None = None, replica_id: int | None = None, host: str | None = None,
                  min_replicas: int = 1, timeout_s: float = 600.0, quorum_timeout_s: float = 3600.0,
-                 config_sha256: str | None = None, run_images: int = 0, **candidates):
+                 config_sha256: str | None = None, run_images: int = 0, candidates: Candidates = Candidates()):
         super().__init__(world, compression, precision, compile, activation_checkpointing)
         if fragments > sync_every:
             raise ValueError(f"parallel.fragments: {fragments} fragments cannot take turns within "
@@ -523,7 +537,7 @@ class LocalSGDStrategy(Strategy):
             self.layout = DataParallel(own, self.ledger, "none", precision, compile, activation_checkpointing)
         self.data = DataPlan(world.rank, world.size, schedule, replica, world.rank % per, per)
         self.replicas = self._replicas(compression, world, self.ledger, schedule, fragments, replica, count,
-                                       outer_group, own, run_images=run_images, **candidates)
+                                       outer_group, own, run_images=run_images, **asdict(candidates))
         if lighthouse is not None:
             self.replicas.link = ReplicaLink(lighthouse, replica_id, world, host, min_replicas, timeout_s,
                                              quorum_timeout_s, self.replicas.shared_state, self.replicas.heal,
