@@ -17,9 +17,13 @@ from islands.parallel.launch import World
 from islands.parallel.local_updates import Candidates, DiLoCoStrategy, Rounds
 
 
-def one_rank_world():
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo world for the test, taken down after it."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
 
 
 def test_a_warm_start_is_ddp_bit_for_bit_and_the_ledger_books_it_as_ddps_all_reduce(tmp_path):
@@ -38,33 +42,29 @@ def test_a_warm_start_is_ddp_bit_for_bit_and_the_ledger_books_it_as_ddps_all_red
     assert sent["outer_all_reduce"] == pytest.approx(3 * per_step)
 
 
-def test_after_a_warm_start_the_first_outer_step_is_from_its_end_not_from_the_initialisation():
+def test_after_a_warm_start_the_first_outer_step_is_from_its_end_not_from_the_initialisation(one_rank):
     """One rank, batch 1, a warm start of 2 images then H = 2: steps 1-2 leave the weights to the inner optimizer
     (the EMA takes in the net's own); the exchange at step 4 is one Nesterov step on the change since step 2."""
-    one_rank_world()
-    try:
-        strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=2, batch_size=1,
-                                  candidates=Candidates(warm_start_images=2))
-        net = torch.nn.Linear(3, 2)
-        strategy.parallelize(net)
-        for step in range(1, 5):
-            with torch.no_grad():
-                for p in net.parameters():
-                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
-            local = {n: p.detach().clone() for n, p in net.named_parameters()}
-            if step == 2:
-                anchor = local
-            credit = strategy.replicas.after_step(step)
-            if step <= 2:
-                assert credit is None and strategy.replicas.ema_weights() is None
-            elif step == 3:
-                assert credit == 0
-        assert credit == 2  # the images since the warm start ended
-        for n, p in net.named_parameters():
-            g = anchor[n] - local[n]
-            torch.testing.assert_close(p.detach(), anchor[n] - 0.7 * (g + 0.9 * g), rtol=1e-6, atol=1e-6)
-    finally:
-        dist.destroy_process_group()
+    strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=2, batch_size=1,
+                              candidates=Candidates(warm_start_images=2))
+    net = torch.nn.Linear(3, 2)
+    strategy.parallelize(net)
+    for step in range(1, 5):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
+        local = {n: p.detach().clone() for n, p in net.named_parameters()}
+        if step == 2:
+            anchor = local
+        credit = strategy.replicas.after_step(step)
+        if step <= 2:
+            assert credit is None and strategy.replicas.ema_weights() is None
+        elif step == 3:
+            assert credit == 0
+    assert credit == 2  # the images since the warm start ended
+    for n, p in net.named_parameters():
+        g = anchor[n] - local[n]
+        torch.testing.assert_close(p.detach(), anchor[n] - 0.7 * (g + 0.9 * g), rtol=1e-6, atol=1e-6)
 
 
 def test_growing_rounds_end_where_the_closed_form_says_whatever_the_order_they_are_asked_in():
@@ -94,100 +94,88 @@ def test_growing_h_on_two_ranks_sends_one_exchange_per_round_of_the_closed_form(
 
 
 @pytest.mark.parametrize("delay,mixing", [(1, 0.5), (0, 0.5), (2, 0.0)])
-def test_an_overlapped_exchange_lands_tau_steps_later_merged_by_alpha(delay, mixing):
+def test_an_overlapped_exchange_lands_tau_steps_later_merged_by_alpha(delay, mixing, one_rank):
     """One rank, H = 4, two fragments of a Linear (its weight at steps 2, 6, its bias at 4, 8): each exchange's
     pseudo-gradient is taken when it begins and its outer Nesterov step lands tau steps later, where the fragment's
     local weights, trained on meanwhile, become alpha local + (1 - alpha) anchor."""
-    one_rank_world()
-    try:
-        strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=4, batch_size=1, outer_lr=0.7,
-                                  outer_momentum=0.9, fragments=2,
-                                  candidates=Candidates(overlap_steps=delay, mixing=mixing))
-        net = torch.nn.Linear(3, 2)
-        strategy.parallelize(net)
-        assert strategy.replicas.fragments == [["weight"], ["bias"]]
-        anchor = {n: p.detach().clone() for n, p in net.named_parameters()}
-        momentum = {n: torch.zeros_like(p) for n, p in anchor.items()}
-        change, begun = {}, {2: "weight", 4: "bias", 6: "weight", 8: "bias"}
-        for step in range(1, 10):
-            with torch.no_grad():
-                for p in net.parameters():
-                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
-            local = {n: p.detach().clone() for n, p in net.named_parameters()}
-            if step in begun:
-                change[step + delay] = (begun[step], anchor[begun[step]] - local[begun[step]])
-            landed = change.pop(step, None)
-            if landed:
-                name, g = landed
-                momentum[name] = 0.9 * momentum[name] + g
-                anchor[name] = anchor[name] - 0.7 * (g + 0.9 * momentum[name])
-                local[name] = mixing * local[name] + (1 - mixing) * anchor[name]
-            credit = strategy.replicas.after_step(step)
-            assert credit == (0 if landed is None else step - max([0] + [s for s in range(1, step)
-                                                                            if s - delay in begun]))
-            for n, p in net.named_parameters():
-                torch.testing.assert_close(p.detach(), local[n], rtol=1e-6, atol=1e-6)
-                torch.testing.assert_close(strategy.replicas.ema_weights()[n], anchor[n], rtol=1e-6, atol=1e-6)
-    finally:
-        dist.destroy_process_group()
+    strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=4, batch_size=1, outer_lr=0.7,
+                              outer_momentum=0.9, fragments=2,
+                              candidates=Candidates(overlap_steps=delay, mixing=mixing))
+    net = torch.nn.Linear(3, 2)
+    strategy.parallelize(net)
+    assert strategy.replicas.fragments == [["weight"], ["bias"]]
+    anchor = {n: p.detach().clone() for n, p in net.named_parameters()}
+    momentum = {n: torch.zeros_like(p) for n, p in anchor.items()}
+    change, begun = {}, {2: "weight", 4: "bias", 6: "weight", 8: "bias"}
+    for step in range(1, 10):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
+        local = {n: p.detach().clone() for n, p in net.named_parameters()}
+        if step in begun:
+            change[step + delay] = (begun[step], anchor[begun[step]] - local[begun[step]])
+        landed = change.pop(step, None)
+        if landed:
+            name, g = landed
+            momentum[name] = 0.9 * momentum[name] + g
+            anchor[name] = anchor[name] - 0.7 * (g + 0.9 * momentum[name])
+            local[name] = mixing * local[name] + (1 - mixing) * anchor[name]
+        credit = strategy.replicas.after_step(step)
+        assert credit == (0 if landed is None else step - max([0] + [s for s in range(1, step)
+                                                                        if s - delay in begun]))
+        for n, p in net.named_parameters():
+            torch.testing.assert_close(p.detach(), local[n], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(strategy.replicas.ema_weights()[n], anchor[n], rtol=1e-6, atol=1e-6)
 
 
-def test_reset_zeroes_the_inner_state_at_each_synchronisation_so_the_next_step_is_a_fresh_adams_first():
+def test_reset_zeroes_the_inner_state_at_each_synchronisation_so_the_next_step_is_a_fresh_adams_first(one_rank):
     """One rank, H = 2, AdamW: after step 1 its state is under way; after the synchronisation at step 2 every moment
     and the step count are zero, and the next step is what a new AdamW takes from the same weights and gradient."""
-    one_rank_world()
-    try:
-        strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=2, batch_size=1,
-                                  candidates=Candidates(inner_state="reset"))
-        net = torch.nn.Linear(3, 2)
-        strategy.parallelize(net)
-        opt = torch.optim.AdamW(net.parameters(), lr=0.1)
-        strategy.replicas.attach_optimizer(opt)
+    strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=2, batch_size=1,
+                              candidates=Candidates(inner_state="reset"))
+    net = torch.nn.Linear(3, 2)
+    strategy.parallelize(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    strategy.replicas.attach_optimizer(opt)
 
-        def step(n):
-            opt.zero_grad()
-            net(torch.randn(4, 3, generator=torch.Generator().manual_seed(n))).square().sum().backward()
-            opt.step()
+    def step(n):
+        opt.zero_grad()
+        net(torch.randn(4, 3, generator=torch.Generator().manual_seed(n))).square().sum().backward()
+        opt.step()
 
-        step(1)
-        assert strategy.replicas.after_step(1) == 0
-        assert all(bool(s["exp_avg"].abs().sum() > 0) and float(s["step"]) == 1 for s in opt.state.values())
-        step(2)
-        assert strategy.replicas.after_step(2) == 2
-        assert all(float(v.abs().sum()) == 0 for s in opt.state.values() for v in s.values())
-        fresh_net = torch.nn.Linear(3, 2)
-        fresh_net.load_state_dict(net.state_dict())
-        fresh = torch.optim.AdamW(fresh_net.parameters(), lr=0.1)
-        for model, optimizer in ((net, opt), (fresh_net, fresh)):
-            optimizer.zero_grad()
-            model(torch.randn(4, 3, generator=torch.Generator().manual_seed(3))).square().sum().backward()
-            optimizer.step()
-        for a, b in zip(net.parameters(), fresh_net.parameters(), strict=True):
-            assert torch.equal(a, b)
-    finally:
-        dist.destroy_process_group()
+    step(1)
+    assert strategy.replicas.after_step(1) == 0
+    assert all(bool(s["exp_avg"].abs().sum() > 0) and float(s["step"]) == 1 for s in opt.state.values())
+    step(2)
+    assert strategy.replicas.after_step(2) == 2
+    assert all(float(v.abs().sum()) == 0 for s in opt.state.values() for v in s.values())
+    fresh_net = torch.nn.Linear(3, 2)
+    fresh_net.load_state_dict(net.state_dict())
+    fresh = torch.optim.AdamW(fresh_net.parameters(), lr=0.1)
+    for model, optimizer in ((net, opt), (fresh_net, fresh)):
+        optimizer.zero_grad()
+        model(torch.randn(4, 3, generator=torch.Generator().manual_seed(3))).square().sum().backward()
+        optimizer.step()
+    for a, b in zip(net.parameters(), fresh_net.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
-def test_the_ema_of_the_mean_takes_in_the_replicas_mean_before_the_outer_step():
+def test_the_ema_of_the_mean_takes_in_the_replicas_mean_before_the_outer_step(one_rank):
     """One rank, H = 1: the EMA's weights after a synchronisation are the anchor minus the averaged change (the
     replicas' mean weights), not the anchor the outer Nesterov step moved past them."""
-    one_rank_world()
-    try:
-        strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=1, batch_size=1,
-                                  candidates=Candidates(outer_ema="mean"))
-        net = torch.nn.Linear(3, 2)
-        strategy.parallelize(net)
-        for step in (1, 2):
-            with torch.no_grad():
-                for p in net.parameters():
-                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
-            local = {n: p.detach().clone() for n, p in net.named_parameters()}
-            assert strategy.replicas.after_step(step) == 1
-            for n, p in net.named_parameters():
-                torch.testing.assert_close(strategy.replicas.ema_weights()[n], local[n], rtol=1e-6, atol=1e-6)
-                assert not torch.allclose(p.detach(), local[n])  # the outer step moved the net past them
-    finally:
-        dist.destroy_process_group()
+    strategy = DiLoCoStrategy(World(rank=0, size=1), sync_every=1, batch_size=1,
+                              candidates=Candidates(outer_ema="mean"))
+    net = torch.nn.Linear(3, 2)
+    strategy.parallelize(net)
+    for step in (1, 2):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
+        local = {n: p.detach().clone() for n, p in net.named_parameters()}
+        assert strategy.replicas.after_step(step) == 1
+        for n, p in net.named_parameters():
+            torch.testing.assert_close(strategy.replicas.ema_weights()[n], local[n], rtol=1e-6, atol=1e-6)
+            assert not torch.allclose(p.detach(), local[n])  # the outer step moved the net past them
 
 
 # The candidates that can go together share a run (each run pair costs half a minute on 2 cores); each one's state
