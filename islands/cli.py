@@ -127,7 +127,8 @@ def _write_shards(args, autoencoder: str | None = None, text_encoder: str | None
     try:
         return write_data(cfg, storage.location(args.out), args.shard_size, autoencoder, text_encoder,
                           getattr(args, "text_tokens", 32), getattr(args, "batch_size", 64), world.rank, world.size,
-                          world.barrier, world.device, progress=not args.quiet)
+                          world.barrier, world.device, progress=not args.quiet,
+                          shuffle_seed=cfg.seed if args.order == "shuffled" else None)
     finally:
         close_world()
 
@@ -283,6 +284,10 @@ def _shard_arguments(p, what: str) -> None:
                    " (an empty prefix of a bucket that is there)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides of config keys")
     p.add_argument("--shard-size", type=int, default=4096, help="examples per shard (default 4096)")
+    p.add_argument("--order", choices=("shuffled", "given"), default="shuffled",
+                   help="the examples' order in the shards: shuffled by the config's seed (the default: a shard, and "
+                        "a block of data.order=blocks, is then a random sample even of a source sorted by class) or "
+                        "the source's own")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

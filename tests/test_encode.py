@@ -24,7 +24,7 @@ def encode(tmp_path, image_npz, vae, out="latents", *extra):
     config = write_config(tmp_path / "c.yaml", {"run_dir": str(tmp_path / "run"),
                                                 "data": {"source": "npz", "path": str(image_npz), "flip": True}})
     return main(["encode", config, str(tmp_path / out), "--autoencoder", str(vae), "--shard-size", "10",
-                 "--batch-size", "4", "--quiet", *extra])
+                 "--batch-size", "4", "--order", "given", "--quiet", *extra])
 
 
 def test_islands_encode_stores_each_posterior_and_its_flips(tmp_path, image_npz):

@@ -70,7 +70,7 @@ def _config(tmp_path, image_npz, **data) -> str:
 def _shard(tmp_path, image_npz, out: str) -> None:
     config = write_config(tmp_path / "npz.yaml", {"run_dir": str(tmp_path / "r"),
                                                   "data": {"source": "npz", "path": str(image_npz)}})
-    assert main(["shard", config, out, "--shard-size", str(SHARD), "--quiet"]) == 0
+    assert main(["shard", config, out, "--shard-size", str(SHARD), "--order", "given", "--quiet"]) == 0
 
 
 def _objects(url: str) -> dict[str, bytes]:

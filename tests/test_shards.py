@@ -1,6 +1,7 @@
 """Tar shards (`islands shard`, `data.source: shards`): the same examples as their source, read by seek, so the
 stream resumes exactly on any number of ranks and loader workers; refused by name when missing, cut or changed."""
 
+import json
 import os
 import tarfile
 from pathlib import Path
@@ -172,6 +173,32 @@ def test_islands_shard_on_two_ranks_writes_the_bytes_one_process_writes(tmp_path
     for name in one:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
     assert not list(tmp_path.glob(".*partial"))
+
+
+def test_islands_shard_shuffles_a_class_sorted_source_by_the_config_seed_and_keeps_every_example_once(tmp_path):
+    """A source sorted by class (a folder of class subfolders) is written shuffled by default: every example exactly
+    once, each shard of several classes, the manifest naming the seed; the same seed writes the same shards, and
+    `--order given` keeps the source's order."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (40, 1, 8, 8), dtype=np.uint8)
+    labels = np.repeat(np.arange(4), 10)  # sorted: ten of class 0, then ten of class 1, ...
+    np.savez(tmp_path / "sorted.npz", x=x, y=labels)
+    cfg = {"run_dir": str(tmp_path / "run"), "seed": 7, "data": {"source": "npz", "path": str(tmp_path / "sorted.npz")}}
+    config = write_config(tmp_path / "c.yaml", cfg)
+    for out, *order in (("shuffled", ), ("again", ), ("given", "--order", "given")):
+        assert main(["shard", config, str(tmp_path / out), "--shard-size", "10", "--quiet", *order]) == 0
+    source = build_source("npz", path=str(tmp_path / "sorted.npz"))
+    want, want_y = source.get(range(40))
+    got, got_y = ShardSource(tmp_path / "shuffled").get(range(40))
+    # each written example is one source example, each source example written once (its pixels are unique)
+    found = [next(i for i in range(40) if torch.equal(want[i], example)) for example in got]
+    assert sorted(found) == list(range(40)) and found != list(range(40))
+    assert torch.equal(got_y, want_y[found])
+    assert all(len(set(got_y[s:s + 10].tolist())) > 1 for s in range(0, 40, 10)), got_y  # no shard of one class
+    assert json.loads((tmp_path / "shuffled" / "manifest.json").read_text())["shuffled_with_seed"] == 7
+    assert all((tmp_path / "shuffled" / p.name).read_bytes() == p.read_bytes() for p in (tmp_path / "again").iterdir())
+    assert torch.equal(ShardSource(tmp_path / "given").get(range(40))[0], want)
+    assert "shuffled_with_seed" not in json.loads((tmp_path / "given" / "manifest.json").read_text())
 
 
 def data_config(tmp_path, image_npz) -> dict:

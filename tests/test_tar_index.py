@@ -253,7 +253,7 @@ def test_islands_train_and_shard_on_indexed_tars(tmp_path, capsys):
     config = write_config(tmp_path / "c.yaml", tiny_unet_config(tmp_path / "run", "unused", data=data, train=short,
                                                                  model={"num_classes": 3}))
     assert main(["train", config, "--quiet"]) == 0
-    assert main(["shard", config, str(tmp_path / "own"), "--quiet"]) == 0
+    assert main(["shard", config, str(tmp_path / "own"), "--order", "given", "--quiet"]) == 0
     indexed = ShardSource(str(tmp_path / "index"), resolution=R)
     own = ShardSource(tmp_path / "own")
     for a, b in zip(indexed.get(range(14)), own.get(range(14)), strict=True):

@@ -154,7 +154,7 @@ def test_caption_embeddings_stored_by_islands_encode_train_without_the_text_enco
     emoji_or_skip()
     config = write_config(tmp_path / "c.yaml", emoji_run(tmp_path / "run"))
     assert main(["encode", config, str(tmp_path / "sh"), "--text-encoder", "minilm", "--text-tokens", "16",
-                 "--shard-size", "10", "--quiet"]) == 0
+                 "--shard-size", "10", "--order", "given", "--quiet"]) == 0
     # what islands encode stored is what a run on the emoji encodes when it starts, caption by caption
     from islands.data import build_data
     from islands.data.captions import encode_captions

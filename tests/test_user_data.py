@@ -122,7 +122,7 @@ def test_a_users_captioned_images_train_text_conditioned_encode_and_partition_by
 
     # islands encode stores each caption's embedding: what the encoder gives caption by caption
     assert main(["encode", config, str(tmp_path / "sh"), "--text-encoder", "minilm", "--text-tokens", "16",
-                 "--shard-size", "10", "--quiet"]) == 0
+                 "--shard-size", "10", "--order", "given", "--quiet"]) == 0
     stored = build_data(validate({"run_dir": ".", "data": {"source": "shards", "path": str(tmp_path / "sh")}}).data, 0)
     torch.testing.assert_close(stored.read(range(32), ("caption_embedding",))["caption_embedding"], by_hand,
                                rtol=1e-5, atol=1e-5)

@@ -130,18 +130,30 @@ def shard_count(examples: int, shard_size: int) -> int:
     return -(-examples // shard_size)
 
 
+def written_order(n: int, shuffle_seed: int | None) -> np.ndarray | None:
+    """The source example at each position of the shards: None for the source's own order, else a permutation of a
+    seed of its own (not a run's), the same on every rank that writes a part."""
+    if shuffle_seed is None:
+        return None
+    return np.random.default_rng([shuffle_seed, 0x5A4D]).permutation(n)
+
+
 def write_part(source: Source, folder: Path, shard_size: int, rank: int = 0, ranks: int = 1,
                progress: bool = False, writer: ExampleWriter | None = None,
-               publish: Callable[..., None] = lambda *names: None) -> list[dict]:
+               publish: Callable[..., None] = lambda *names: None, shuffle_seed: int | None = None) -> list[dict]:
     """Rank `rank` of `ranks`: the shards i = rank mod ranks of `source` into `folder`, each with its index, each
     example's members made by `writer` (by default the example itself), each shard's files handed to `publish` once
-    written (storage.Staging's: put at a URL). -> their manifest entries."""
+    written (storage.Staging's: put at a URL). With `shuffle_seed`, position p holds the source's example
+    written_order(n)[p]: a shard, and a block of it, is then a random sample of the source even where the source is
+    sorted (a folder of class subfolders, a crawl), which the block order (data/order.py) needs. -> their manifest
+    entries."""
     try:  # only writing needs it
         from webdataset import TarWriter
     except ImportError as err:
         raise DataError(f"islands shard needs webdataset ({err}); pip install 'islands[shards]'") from None
 
     members, n = writer or ExampleWriter(source), len(source)
+    order = written_order(n, shuffle_seed)
     mine = range(rank, shard_count(n, shard_size), ranks)
     entries = []
     bar = tqdm(total=sum(min(n, (i + 1) * shard_size) - i * shard_size for i in mine), disable=not progress,
@@ -153,7 +165,7 @@ def write_part(source: Source, folder: Path, shard_size: int, rank: int = 0, ran
         with TarWriter(str(tar), encoder=False, mtime=0, user="islands", group="islands") as tar_writer:
             for start in range(lo, hi, READ_CHUNK):
                 chunk = list(range(start, min(hi, start + READ_CHUNK)))
-                got = source.read(chunk, (X, LABEL, CAPTION))
+                got = source.read(chunk if order is None else order[chunk].tolist(), (X, LABEL, CAPTION))
                 x, y, captions = got[X], got.get(LABEL), got.get(CAPTION)
                 for j, example in enumerate(members(x, captions)):
                     example = {"__key__": f"{start + j:09d}", **example}
@@ -200,17 +212,18 @@ refuse_written_over = storage.refuse_written_over
 
 def write_shards(source: Source, out: Path, shard_size: int, made_from: dict, rank: int = 0, ranks: int = 1,
                  barrier: Callable[[], None] = lambda: None, progress: bool = False,
-                 writer: ExampleWriter | None = None) -> dict | None:
+                 writer: ExampleWriter | None = None, shuffle_seed: int | None = None) -> dict | None:
     """Every rank its shards (`write_part`), rank 0 the manifest, all into a hidden folder beside `out` renamed to
     `out` once whole, so that no half-written shard folder is ever left as `out` (which must be absent or empty); at
     a URL, each shard put as it is finished and the manifest last (storage.Staging). -> the manifest on rank 0, None
-    on the others. `barrier` waits for every rank (a World's)."""
+    on the others. `barrier` waits for every rank (a World's). `shuffle_seed`: the examples written in a seeded
+    shuffled order (write_part), recorded in the manifest as `shuffled_with_seed`."""
     refuse_written_over(out)
     stage = storage.Staging(out, rank, barrier)
     try:
         writer = writer or ExampleWriter(source)
         part = RankShards(shards=write_part(source, stage.local, shard_size, rank, ranks, progress, writer,
-                                            stage.publish))
+                                            stage.publish, shuffle_seed))
         part.write(stage.local / RankShards.file(rank))
         stage.publish(RankShards.file(rank))
         barrier()  # every rank's shards are written
@@ -220,7 +233,7 @@ def write_shards(source: Source, out: Path, shard_size: int, made_from: dict, ra
         shards = [entry.model_dump(exclude_unset=True) for name in parts
                   for entry in RankShards.read(stage.fetch(name)).shards]
         stage.discard(*parts)
-        manifest = write_manifest(stage.local, shards, source, shard_size, made_from, writer)
+        manifest = write_manifest(stage.local, shards, source, shard_size, made_from, writer, shuffle_seed)
         stage.publish(MANIFEST)
         stage.finish()
         return manifest
@@ -229,12 +242,13 @@ def write_shards(source: Source, out: Path, shard_size: int, made_from: dict, ra
 
 
 def write_manifest(folder: Path, shards: list[dict], source: Source, shard_size: int, made_from: dict,
-                   writer: ExampleWriter | None = None) -> dict:
+                   writer: ExampleWriter | None = None, shuffle_seed: int | None = None) -> dict:
     writer = writer or ExampleWriter(source)
     shards = sorted(shards, key=lambda s: s["tar"])
     manifest = {"format": FORMAT, "examples": len(source), **writer.manifest, "num_classes": source.num_classes,
                 "members": [*writer.members, *labelling_members(source)],
-                "shard_size": shard_size, "sha256": whole_sha256(shards), "made_from": made_from, "shards": shards}
+                "shard_size": shard_size, "sha256": whole_sha256(shards), "made_from": made_from,
+                **({} if shuffle_seed is None else {"shuffled_with_seed": shuffle_seed}), "shards": shards}
     ShardManifest.read(manifest, folder / MANIFEST)  # what a reader will hold it to
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -921,6 +935,7 @@ class ShardManifest(ManifestRecord):
     shard_size: Size
     sha256: str
     made_from: dict | None = None
+    shuffled_with_seed: int | None = None  # the examples' written order (write_part); absent: the source's own
     latents: LatentsSection | None = None  # islands encode's: the autoencoder and its scale (data/latents.py reads it)
     caption_embeddings: CaptionEmbeddings | None = None
     shards: list[ShardEntry]

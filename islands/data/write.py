@@ -15,11 +15,12 @@ from islands.nets.vae_folder import load_autoencoder
 
 def write_data(cfg, out: Path | str, shard_size: int = 4096, autoencoder: str | None = None,
                text_encoder: str | None = None, text_tokens: int = 32, batch_size: int = 64, rank: int = 0,
-               ranks: int = 1, barrier=lambda: None, device="cpu", progress: bool = True) -> dict | None:
+               ranks: int = 1, barrier=lambda: None, device="cpu", progress: bool = True,
+               shuffle_seed: int | None = None) -> dict | None:
     """Shards of `cfg`'s data in `out` (absent or empty); under several ranks each writes its own shards and rank 0
     the manifest, which it returns (None on the others). A bad input stops before any shard is written. `out` may be
     a URL (storage.py: s3://bucket/prefix/ and the like): each shard is put there as it is finished, the manifest
-    last."""
+    last. `shuffle_seed`: the examples in a seeded shuffled order (shards.write_part), not the source's."""
     out = storage.location(out)
     refuse_written_over(out)
     source = build_data(cfg.data, cfg.seed, check=True)
@@ -34,4 +35,4 @@ def write_data(cfg, out: Path | str, shard_size: int = 4096, autoencoder: str | 
         encoder = open_text_encoder(text_encoder, device=device)
         writer = CaptionWriter(writer or ExampleWriter(source), encoder, text_encoder, text_tokens)
     return write_shards(source, out, shard_size, cfg.data.model_dump(), rank, ranks, barrier, progress=progress,
-                        writer=writer)
+                        writer=writer, shuffle_seed=shuffle_seed)
