@@ -295,6 +295,9 @@ def uninterrupted(slurm, tmp_path_factory):
     return cfg, fields, (folder / f"job-{job}.out").read_text(), time.monotonic() - started
 
 
+# Slurm's timer and the time limit it signals against are wall-clock: run alone, where a loaded machine cannot stretch
+# a preemption's stop past the limit (both tests, so that the uninterrupted job they share runs once)
+@pytest.mark.serial
 def test_the_example_sbatch_trains_to_completion_under_slurm(uninterrupted):
     """examples/slurm.sbatch under a real Slurm: 2 ranks from RANKS_PER_NODE (not a hard-coded 8), the run trains to
     its end and writes its checkpoints; one process prints the end-of-run summary."""
@@ -323,6 +326,7 @@ def stops(log: str) -> list[int]:
     return [int(m) for m in re.findall(r"stopped at image (\d+) ", log)]
 
 
+@pytest.mark.serial
 def test_slurm_preemption_by_the_time_signal_and_by_scancel_requeues_and_resumes_exactly(slurm, uninterrupted,
                                                                                          tmp_path):
     """A job with --signal=USR1@50 whose time limit is cut to one minute once it trains (the ranks' first seconds
