@@ -99,6 +99,9 @@ def test_a_killed_streaming_diloco_run_resumes_inside_its_cycle_bit_identically(
     moved = cut_back(straight, tmp_path / "moved", 320)
     two_ranks(tmp_path, "moved", {**cfg, "run_dir": str(moved)}, *args)
     assert exported(moved) == exported(straight)
+    # and its ledger counts the whole run, the steps before the checkpoint too
+    sent = [json.loads((run / "communication.json").read_text()) for run in (moved, straight)]
+    assert sent[0]["steps"] == sent[1]["steps"] and sent[0]["total_bytes"] == pytest.approx(sent[1]["total_bytes"])
 
 
 def test_two_islands_of_two_ranks_synchronising_every_step_with_plain_sgd_are_one_process(tmp_path):

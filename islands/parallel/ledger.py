@@ -43,6 +43,15 @@ class Ledger:
         self.step = defaultdict(float)
         return done
 
+    def state_dict(self) -> dict:
+        """The run's totals so far, kept in a checkpoint: a resumed run's communication.json counts the whole run,
+        not only the steps since its last start."""
+        return {"steps": self.steps, "total": dict(self.total)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = int(state["steps"])
+        self.total = defaultdict(float, {str(k): float(v) for k, v in state["total"].items()})
+
     def summary(self) -> dict:
         per_step = {k: v / max(self.steps, 1) for k, v in self.total.items()}
         return {"steps": self.steps, "bytes_per_step": per_step, "total_bytes": dict(self.total)}

@@ -144,6 +144,8 @@ class Parts:
         self.strategy.checkpoint.resumed()
         self.net.load_state_dict(held["model"])
         self.scaler.load_state_dict(small["trainer"]["scaler"])
+        if "ledger" in small["trainer"]:  # absent from checkpoints of older Islands: counted from this start
+            self.strategy.ledger.load_state_dict(small["trainer"]["ledger"])
         set_rng_state(small["trainer"], self.world.device)
         return small["progress"]
 
@@ -153,7 +155,8 @@ class Parts:
         exports = {"model.safetensors": gather(self.net.state_dict())}
         if self.ema is not None:
             exports["ema.safetensors"] = gather(self.ema.state_dict())
-        trainer = {"scaler": self.scaler.state_dict(), **rng_state(self.world.device)}
+        trainer = {"scaler": self.scaler.state_dict(), "ledger": self.strategy.ledger.state_dict(),
+                   **rng_state(self.world.device)}
         return write_checkpoint(self.run_dir, progress.images, self.sharded_state(), exports, trainer,
                                 {"progress": asdict(progress)}, self.cfg.train.keep_checkpoints, self.main,
                                 self.world.barrier, self.world.group)
