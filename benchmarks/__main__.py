@@ -11,6 +11,7 @@ import importlib
 import json
 import sys
 import time
+from pathlib import Path
 
 from benchmarks.common import RESULTS
 
@@ -46,10 +47,11 @@ def main() -> None:
         if result.get("skipped"):  # nothing to measure on this machine (gpu without a GPU): nothing written
             verdicts.append((name, None, seconds))
             continue
-        path = RESULTS / f"{name}.json"  # the run's duration goes with its figures
+        # the run's duration goes with its figures, in the file it saved them to (a part of a benchmark: its own)
+        path = Path(result.get("saved", RESULTS / f"{name}.json"))
         path.write_text(json.dumps({**json.loads(path.read_text()), "seconds": round(seconds)}, indent=2) + "\n")
         verdicts.append((name, result["met"], seconds))
-        print(f"({seconds:.0f} s; benchmarks/results/{name}.json)", flush=True)
+        print(f"({seconds:.0f} s; {path.relative_to(RESULTS.parent.parent)})", flush=True)
     print("\n== summary ==")
     for name, met, seconds in verdicts:
         verdict = "skipped" if met is None else f"target {'met' if met else 'NOT met'}"
