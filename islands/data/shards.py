@@ -131,8 +131,8 @@ def shard_count(examples: int, shard_size: int) -> int:
 
 
 def written_order(n: int, shuffle_seed: int | None) -> np.ndarray | None:
-    """The source example at each position of the shards: None for the source's own order, else a permutation of a
-    seed of its own (not a run's), the same on every rank that writes a part."""
+    """The source example at each position of the shards: None for the source's own order, else a permutation drawn
+    from `shuffle_seed` on a stream of its own (no run's draws), the same on every rank that writes a part."""
     if shuffle_seed is None:
         return None
     return np.random.default_rng([shuffle_seed, 0x5A4D]).permutation(n)
