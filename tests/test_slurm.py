@@ -4,6 +4,7 @@ agreed step with a checkpoint there, exit 75, and the rerun (or the requeued job
 interrupted. Everything under timeouts, on 127.0.0.1."""
 
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from islands.train.logbook import read_metrics
 from islands.trainer.preemption import EXIT_STATUS
 
 TIMEOUT_S = 240
+SIGNAL_BEFORE_S = 150  # the preempted job's --signal=USR1@: more than the 90-150 s the test leaves it
 
 
 def long_config(tmp_path, name: str, images: int = 64000) -> dict:
@@ -316,6 +318,15 @@ def trains_past(slurm: Cluster, job: int, cfg: dict, images: int, deadline: floa
         time.sleep(0.1)
 
 
+def run_seconds(run_time: str) -> int:
+    """Slurm's RunTime, [[D-]HH:]MM:SS, in seconds."""
+    days, _, clock = run_time.rpartition("-")
+    seconds = 0
+    for part in clock.split(":"):
+        seconds = 60 * seconds + int(part)
+    return seconds + 86400 * int(days or 0)
+
+
 def requeued_for(fields: dict, times: int) -> bool:
     """The job is back in the queue for the `times`th time (its BeginTime set, which the test may then move)."""
     return fields["Restarts"] == str(times) and fields["JobState"] == "PENDING"
@@ -329,7 +340,7 @@ def stops(log: str) -> list[int]:
 @pytest.mark.serial
 def test_slurm_preemption_by_the_time_signal_and_by_scancel_requeues_and_resumes_exactly(slurm, uninterrupted,
                                                                                          tmp_path):
-    """A job with --signal=USR1@50 whose time limit is cut to one minute once it trains (the ranks' first seconds
+    """A job with --signal=USR1@150 whose time limit is cut to 90-150 s away once it trains (the ranks' first seconds
     are torchrun's start: see examples/slurm.sbatch), and which runs slowed down (`throttled`) until Slurm's signal
     comes: it makes both ranks stop after one agreed step with a checkpoint there; the script requeues the job (whose
     time limit the test then raises again, and whose 2-minute requeue delay it skips); in the second run `scancel
@@ -338,12 +349,16 @@ def test_slurm_preemption_by_the_time_signal_and_by_scancel_requeues_and_resumes
     cfg = slurm_config(tmp_path, "preempted")
     started = time.monotonic()
     deadline = started + 3 * TIMEOUT_S
-    job = submit(slurm, cfg, tmp_path, "--time=10", "--signal=USR1@50")
+    job = submit(slurm, cfg, tmp_path, "--time=10", f"--signal=USR1@{SIGNAL_BEFORE_S}")
     log = tmp_path / f"job-{job}.out"
     trains_past(slurm, job, cfg, 640, deadline)
     # [[D-]HH:]MM:SS, under ten minutes: compared as text
     throttled(job, lambda: slurm.job(job)["RunTime"] >= "00:00:12", deadline)
-    slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=1")  # under 50 s left: the signal is due
+    # Slurm keeps time limits in minutes and checks its timer about every 30 s: a limit 90-150 s away has the signal
+    # due at once and leaves the stop at least a minute before the limit, even on a loaded machine (a cut to one minute
+    # could leave it 18 s, and a slow stop was killed at the limit instead of requeued)
+    limit_min = math.ceil((run_seconds(slurm.job(job)["RunTime"]) + 90) / 60)
+    slurm.run("scontrol", "update", f"JobId={job}", f"TimeLimit={limit_min}")
     throttled(job, lambda: "stopped at image" in log.read_text() or done(slurm.job(job)), deadline)
     requeued = slurm.wait(job, lambda f: requeued_for(f, 1) or done(f), deadline, "no preemption by the timer")
     assert requeued["Restarts"] == "1", log.read_text()[-3000:]
@@ -366,7 +381,7 @@ def test_slurm_preemption_by_the_time_signal_and_by_scancel_requeues_and_resumes
     text = log.read_text()
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "2", f"{fields}\n{text[-3000:]}"
     assert text.count("run directory:") == 1 and text.count("requeueing job") == 2, text[-3000:]
-    print(f"Slurm preemption: stopped at images {first[0]} (--signal=USR1@50) and {second[0]} (scancel "
+    print(f"Slurm preemption: stopped at images {first[0]} (--signal=USR1@{SIGNAL_BEFORE_S}) and {second[0]} (scancel "
           f"--signal=USR1, after which the job left RUNNING in {left:.1f} s); whole test "
           f"{time.monotonic() - started:.0f} s; requeued runs started after {hurried[0]:.1f} and {hurried[1]:.1f} s; "
           + "; ".join(re.findall(r"[0-9.]+ s after it", text)))
