@@ -227,7 +227,7 @@ def variant_rows(runs: dict, variants: dict) -> list:
     rows = []
     for (name, images), by_seed in sorted(variants.items()):
         seeds = sorted(by_seed)
-        routing = "fd" if name == "dit" else "top1"
+        routing = "top1" if name == "router" else "fd"
         reference = torch.tensor([runs[("fashion", s, images)][8][routing] for s in seeds], dtype=torch.float64)
         if name == "dit":
             for k, label in ((1, "DiT monolith"), (8, "DiT K = 8")):
