@@ -94,13 +94,17 @@ def config(data: str, run_dir: Path, seed: int, images: int, k: int = 0) -> dict
 KEY = f"num={NUM} steps={STEPS} solver={SOLVER} scoring={SCORING}"
 
 
+def copy_once(source: Path, to: Path) -> None:
+    """A finished step (a partition, trained experts) reused where it is the same: run_partition and build_ensemble
+    check what they find and skip it."""
+    if source.exists() and not to.exists():
+        shutil.copytree(source, to)
+
+
 def share_partition(work: Path, name: str) -> None:
-    """Copy WORK/NAME/partition from another budget of the same seed, once (the partition ignores the budget)."""
-    if (work / name / "partition").exists():
-        return
-    for done in sorted(work.parent.glob(f"b*/{name}/partition/partition.json")):
-        shutil.copytree(done.parent, work / name / "partition")
-        return
+    """Copy WORK/NAME/partition from another budget of the same seed (the partition ignores the budget)."""
+    for done in sorted(work.parent.glob(f"b*/{name}/partition/partition.json"))[:1]:
+        copy_once(done.parent, work / name / "partition")
 
 
 def evaluated(work: Path, name: str, cfg, routing: str) -> float:
@@ -141,8 +145,7 @@ def dit_variant(seed: int, images: int) -> dict:
     raw = {name: config("fashion", work / name, seed, images, k) for name, k in (("k8", 8), ("monolith", 0))}
     for cfg in raw.values():
         cfg["model"], cfg["train"]["lr"] = dict(DIT), 1e-3
-    if not (work / "k8" / "partition").exists() and (work.parent / "k8" / "partition").exists():
-        shutil.copytree(work.parent / "k8" / "partition", work / "k8" / "partition")  # the U-Nets' K = 8 partition
+    copy_once(work.parent / "k8" / "partition", work / "k8" / "partition")  # the U-Nets' K = 8 partition
     return at_equal_flops(work, {"k8": raw["k8"]}, raw["monolith"])
 
 
@@ -163,9 +166,8 @@ def router_variant(seed: int, images: int) -> dict:
     found = {}
     for share in ROUTER_SHARES:
         name = f"k8_router{share:g}"
-        if not (work / name / "experts").exists():
-            for part in ("partition", "experts"):
-                shutil.copytree(work / "k8" / part, work / name / part)
+        for part in ("partition", "experts"):
+            copy_once(work / "k8" / part, work / name / part)
         raw = config("fashion", work / name, seed, images, 8)
         raw["ddm"]["router"]["flops_fraction"] = share
         cfg = validate(raw)
@@ -180,9 +182,12 @@ def seeds_of(runs: dict, data: str, images: int) -> list[int]:
     return sorted(s for d, s, b in runs if (d, b) == (data, images))
 
 
+def column(values) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.float64)
+
+
 def fds_of(runs: dict, data: str, images: int, k: int, routing: str = "fd") -> torch.Tensor:
-    return torch.tensor([runs[(data, s, images)][k][routing] for s in seeds_of(runs, data, images)],
-                        dtype=torch.float64)
+    return column(runs[(data, s, images)][k][routing] for s in seeds_of(runs, data, images))
 
 
 def spread(fds: torch.Tensor) -> tuple[str, float, float]:
@@ -228,21 +233,21 @@ def variant_rows(runs: dict, variants: dict) -> list:
     for (name, images), by_seed in sorted(variants.items()):
         seeds = sorted(by_seed)
         routing = "top1" if name == "router" else "fd"
-        reference = torch.tensor([runs[("fashion", s, images)][8][routing] for s in seeds], dtype=torch.float64)
+        reference = column(runs[("fashion", s, images)][8][routing] for s in seeds)
         if name == "dit":
+            mono = column(by_seed[s][1]["fd"] for s in seeds)
             for k, label in ((1, "DiT monolith"), (8, "DiT K = 8")):
-                fds = torch.tensor([by_seed[s][k]["fd"] for s in seeds], dtype=torch.float64)
-                mono = torch.tensor([by_seed[s][1]["fd"] for s in seeds], dtype=torch.float64)
+                fds = column(by_seed[s][k]["fd"] for s in seeds)
                 rows.append([label, images, len(seeds), *spread(fds), (fds.mean() / mono.mean()).item(),
                              (fds.mean() / reference.mean()).item()])
         elif name == "pixels":
-            fds = torch.tensor([by_seed[s][8]["fd"] for s in seeds], dtype=torch.float64)
-            mono = torch.tensor([runs[("fashion", s, images)][1]["fd"] for s in seeds], dtype=torch.float64)
+            fds = column(by_seed[s][8]["fd"] for s in seeds)
+            mono = column(runs[("fashion", s, images)][1]["fd"] for s in seeds)
             rows.append(["K = 8, partition on pixels", images, len(seeds), *spread(fds),
                          (fds.mean() / mono.mean()).item(), (fds.mean() / reference.mean()).item()])
         else:
             for share in ROUTER_SHARES:
-                fds = torch.tensor([by_seed[s][share]["fd"] for s in seeds], dtype=torch.float64)
+                fds = column(by_seed[s][share]["fd"] for s in seeds)
                 rows.append([f"K = 8, router {share:.0%}", images, len(seeds), *spread(fds), float("nan"),
                              (fds.mean() / reference.mean()).item()])
     return rows
