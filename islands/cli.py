@@ -291,12 +291,7 @@ def _shard_arguments(p, what: str) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from islands.ddm.mixture import DEFAULT_ROUTING, ROUTINGS
-
-    parser = argparse.ArgumentParser(prog="islands", description="Train and sample diffusion / flow-matching models.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train or resume a model from a YAML config",
                        description="Train a model from a YAML config, or resume the run in its run_dir.",
                        epilog=EPILOG_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -308,6 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "since it was written (without it, such a change stops the run)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
+
+
+
+def _sample_parser(sub) -> None:
+    from islands.ddm.mixture import DEFAULT_ROUTING, ROUTINGS
 
     p = sub.add_parser("sample", help="generate samples from a trained run",
                        description="Generate samples from a run's latest checkpoint (EMA weights when present). "
@@ -344,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_sample)
 
+
+
+def _eval_parser(sub) -> None:
     p = sub.add_parser("eval",
                        help="measure samples against the data (FD, KID, precision/recall, density/coverage, ...)",
                        description="Evaluate a run (generating --num samples from its latest checkpoint) or an "
@@ -374,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_eval)
 
+
+
+def _partition_parser(sub) -> None:
     p = sub.add_parser("partition", help="cluster the data for a decentralized model (ddm.k experts)",
                        description="Extract features, cluster the data in two stages (fine centroids, then ddm.k "
                                    "coarse clusters over them) and write RUN_DIR/partition (partition.json, "
@@ -382,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_partition)
 
+
+
+def _shard_parser(sub) -> None:
     p = sub.add_parser("shard", help="write the config's data as webdataset tar shards, for data.source: shards",
                        description="Write the examples of the config's data section, whatever its source, into "
                                    "OUT/shard-NNNNNN.tar (webdataset layout) with an index per shard and "
@@ -391,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     _shard_arguments(p, "examples")
     p.set_defaults(func=_shard)
 
+
+
+def _encode_parser(sub) -> None:
     p = sub.add_parser("encode", help="precompute the latents (and caption embeddings) of the config's data into "
                        "shards",
                        description="Encode every example of the config's data section (and its horizontal flip where "
@@ -408,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64, help="images encoded at a time (default 64)")
     p.set_defaults(func=_encode)
 
+
+
+def _index_parser(sub) -> None:
     p = sub.add_parser("index", help="index webdataset tars where they lie, for data.source: shards",
                        description="Write an index per tar (each member's offset, size and sha256) and "
                                    "OUT/manifest.json for tars as img2dataset, webdataset's ShardWriter, GNU tar of a "
@@ -424,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_index)
 
+
+
+def _verify_parser(sub) -> None:
     p = sub.add_parser("verify", help="read every example of a shard folder and check it",
                        description="Read every member of every example of DATA (a folder 'islands index' or 'islands "
                                    "shard' wrote), check it against its sha256 and decode its image: the whole pass a "
@@ -432,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_verify)
 
+
+
+def _ddm_parser(sub) -> None:
     p = sub.add_parser("ddm", help="partition, experts, router, samples and metrics of a decentralized model",
                        description="Run every step of a Decentralized Diffusion Model on this machine, skipping "
                                    "steps already complete (rerunning continues), or write launch scripts.")
@@ -442,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_ddm)
 
+
+
+def _distill_parser(sub) -> None:
     p = sub.add_parser("distill", help="distill an ensemble into one model",
                        description="Train one student on the whole data set to match, at every x_t, the expert "
                                    "of its image's own cluster (or the routed mixture). Writes ENSEMBLE_DIR/distilled.")
@@ -453,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_distill)
 
+
+
+def _plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="predict the training time of a config for every strategy on a cluster",
                        description="Predict the wall time to train the config's images with ddp, zero1/2, fsdp, "
                                    "pipeline, local_sgd and diloco at several H, and decentralized experts, on a "
@@ -470,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="path of the plan without suffix (default plans/CONFIG-NETWORK)")
     p.set_defaults(func=_plan)
 
+
+
+def _report_parser(sub) -> None:
     p = sub.add_parser("report", help="one HTML page of what a run or an ensemble produced",
                        description="Write one self-contained HTML page (pictures inlined, no scripts, no requests) "
                                    "of what a run or ensemble folder holds: its description and config, sample "
@@ -481,6 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "replaced")
     p.set_defaults(func=_report)
 
+
+
+def _export_parser(sub) -> None:
     p = sub.add_parser("export", help="write a run or an ensemble as a folder diffusers loads without Islands",
                        description="Write the run's network with the latest checkpoint's EMA weights (a model.arch: "
                                    "diffusers network as its own class, Islands' U-Net or DiT as IslandsUNet or "
@@ -491,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="the folder to write; it must not exist or be empty")
     p.set_defaults(func=_export)
 
+
+
+def _import_parser(sub) -> None:
     p = sub.add_parser("import", help="read an ensemble exported in the open DDM layout back as an ensemble directory",
                        description="Read FOLDER (expert_N/, router/, partition/, ddm.json, as 'islands export "
                                    "ENSEMBLE' writes it), every file checked against ddm.json's sha256, into "
@@ -501,6 +537,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert", action="append", metavar="RUN", help="a run directory to join as a further expert "
                    "(repeatable); the routers trained for fewer clusters are set aside")
     p.set_defaults(func=_import)
+
+
+
+# The subcommands in the order `islands --help` lists them; each adds its own parser.
+COMMANDS = (
+    _train_parser, _sample_parser, _eval_parser, _partition_parser, _shard_parser, _encode_parser, _index_parser,
+    _verify_parser, _ddm_parser, _distill_parser, _plan_parser, _report_parser, _export_parser, _import_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="islands", description="Train and sample diffusion / flow-matching models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
     return parser
 
 
