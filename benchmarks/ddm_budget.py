@@ -32,7 +32,7 @@ The runs live in runs/benchmarks/ddm_budget/DATA/seedS/bB: a rerun continues whe
 (training and evaluations alike); `--data`, `--seeds` and `--budgets` run part of it. The partition depends on the
 seed and K, not the budget: a budget copies it from another budget of its seed (run_partition checks it).
 
-    python -m benchmarks ddm_budget [--data fashion,emoji] [--seeds 0,1,2,3] [--budgets 8192,32768,131072]
+    python -m benchmarks ddm_budget [--data fashion,emoji] [--seeds 0,1,2,3] [--budgets 2048,8192,32768,131072]
                                     [--variants dit,router,pixels] [--cached-only]
 
 --cached-only reports every run and variant of those asked for that is already measured, and trains nothing.
@@ -50,7 +50,7 @@ from islands.ddm.pipeline import build_ensemble, ensemble_training_flops, sample
 from islands.eval.evaluate import evaluate_target
 
 WORK = Path("runs/benchmarks/ddm_budget")
-BUDGETS = (8_192, 32_768, 131_072)  # images the experts see together
+BUDGETS = (2_048, 8_192, 32_768, 131_072)  # images the experts see together
 KS = (4, 8)
 SEEDS = (0, 1, 2, 3)
 BATCH = 64
