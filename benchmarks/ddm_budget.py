@@ -258,6 +258,7 @@ def figure(rows: list, routing: list, datas: list[str]) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(1, len(datas), figsize=(5.5 * len(datas), 4), dpi=100, squeeze=False)
     for ax, data in zip(axes[0], datas, strict=True):
@@ -271,6 +272,7 @@ def figure(rows: list, routing: list, datas: list[str]) -> Path:
                         color=line[0].get_color(), label=f"K = {k}, top-1")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # the minor ticks' labels overlap on a short range
         ax.set_xlabel("total training PFLOPs (experts and router, or the monolith)")
         ax.set_ylabel("FD (lower is better), mean +- sd over seeds")
         ax.set_title(data)
