@@ -1,5 +1,5 @@
 """Decentralized experts against a monolith across training budgets (issue 40, section 1): FD against total training
-FLOPs for K = 1 (the monolith), 4 and 8, at three budgets and four training seeds, on Fashion-MNIST and on the emoji.
+FLOPs for K = 1 (the monolith), 4 and 8, at four budgets and four training seeds, on Fashion-MNIST and on the emoji.
 
 The paper's gain grows with compute (McAllister et al. 2025, Fig. 4: the ensemble's lead widens with training
 FLOPs). On this machine a budget is at most a few hundred thousand images, so the networks are small enough that

@@ -305,7 +305,6 @@ def _train_parser(sub) -> None:
     p.set_defaults(func=_train)
 
 
-
 def _sample_parser(sub) -> None:
     from islands.ddm.mixture import DEFAULT_ROUTING, ROUTINGS
 
@@ -345,7 +344,6 @@ def _sample_parser(sub) -> None:
     p.set_defaults(func=_sample)
 
 
-
 def _eval_parser(sub) -> None:
     p = sub.add_parser("eval",
                        help="measure samples against the data (FD, KID, precision/recall, density/coverage, ...)",
@@ -378,7 +376,6 @@ def _eval_parser(sub) -> None:
     p.set_defaults(func=_eval)
 
 
-
 def _partition_parser(sub) -> None:
     p = sub.add_parser("partition", help="cluster the data for a decentralized model (ddm.k experts)",
                        description="Extract features, cluster the data in two stages (fine centroids, then ddm.k "
@@ -387,7 +384,6 @@ def _partition_parser(sub) -> None:
     _ensemble_config_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_partition)
-
 
 
 def _shard_parser(sub) -> None:
@@ -399,7 +395,6 @@ def _shard_parser(sub) -> None:
                                    "or a URL).")
     _shard_arguments(p, "examples")
     p.set_defaults(func=_shard)
-
 
 
 def _encode_parser(sub) -> None:
@@ -421,7 +416,6 @@ def _encode_parser(sub) -> None:
     p.set_defaults(func=_encode)
 
 
-
 def _index_parser(sub) -> None:
     p = sub.add_parser("index", help="index webdataset tars where they lie, for data.source: shards",
                        description="Write an index per tar (each member's offset, size and sha256) and "
@@ -440,7 +434,6 @@ def _index_parser(sub) -> None:
     p.set_defaults(func=_index)
 
 
-
 def _verify_parser(sub) -> None:
     p = sub.add_parser("verify", help="read every example of a shard folder and check it",
                        description="Read every member of every example of DATA (a folder 'islands index' or 'islands "
@@ -449,7 +442,6 @@ def _verify_parser(sub) -> None:
     p.add_argument("data", metavar="DATA", help="the folder, or its URL (s3://, gs://, http(s)://)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_verify)
-
 
 
 def _ddm_parser(sub) -> None:
@@ -464,7 +456,6 @@ def _ddm_parser(sub) -> None:
     p.set_defaults(func=_ddm)
 
 
-
 def _distill_parser(sub) -> None:
     p = sub.add_parser("distill", help="distill an ensemble into one model",
                        description="Train one student on the whole data set to match, at every x_t, the expert "
@@ -476,7 +467,6 @@ def _distill_parser(sub) -> None:
                    help="the expert of each image's cluster (the paper's recipe) or the full mixture")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_distill)
-
 
 
 def _plan_parser(sub) -> None:
@@ -498,7 +488,6 @@ def _plan_parser(sub) -> None:
     p.set_defaults(func=_plan)
 
 
-
 def _report_parser(sub) -> None:
     p = sub.add_parser("report", help="one HTML page of what a run or an ensemble produced",
                        description="Write one self-contained HTML page (pictures inlined, no scripts, no requests) "
@@ -512,7 +501,6 @@ def _report_parser(sub) -> None:
     p.set_defaults(func=_report)
 
 
-
 def _export_parser(sub) -> None:
     p = sub.add_parser("export", help="write a run or an ensemble as a folder diffusers loads without Islands",
                        description="Write the run's network with the latest checkpoint's EMA weights (a model.arch: "
@@ -523,7 +511,6 @@ def _export_parser(sub) -> None:
     p.add_argument("run_dir", help="a run directory (model.arch diffusers, unet or dit), or an ensemble directory")
     p.add_argument("out", help="the folder to write; it must not exist or be empty")
     p.set_defaults(func=_export)
-
 
 
 def _import_parser(sub) -> None:
