@@ -16,6 +16,7 @@ overlap   streaming: 4 fragments, each exchange landing tau = 5 steps after it b
 reset     the inner AdamW's state reset at each synchronisation (the baseline keeps it)
 ema_mean  the EMA takes in the replicas' mean weights before the outer step (the baseline: the outer weights)
 no_ema    no EMA at all: the outer weights themselves are sampled (not in the default list)
+combined  overlap, reset and ema_mean together: the three that met the target alone (not in the default list)
 
 Quality is FD on the evaluation's classifier features of 1000 samples (Heun, 16 steps); bytes are the ledger's
 (communication.json, per rank, the whole run). Target: FD <= 1.10x DDP's with >= 100x fewer bytes, on both seeds.
@@ -62,6 +63,9 @@ def variants(images: int) -> dict[str, tuple[str, dict, dict]]:
         "reset": ("+ inner state reset", {**BASE, "inner_state": "reset"}, {}),
         "ema_mean": ("+ EMA of the replicas' mean", {**BASE, "outer_ema": "mean"}, {}),
         "no_ema": ("+ no EMA", BASE, {"ema_halflife_images": 0}),
+        "combined": ("+ overlap, reset and EMA of the mean",
+                     {**BASE, "fragments": 4, "overlap_steps": 5, "mixing": 0.5, "inner_state": "reset",
+                      "outer_ema": "mean"}, {}),
     }
 
 
